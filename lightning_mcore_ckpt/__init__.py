@@ -1,0 +1,37 @@
+"""Megatron-Core distributed checkpointing for PyTorch Lightning.
+
+``MegatronStrategy`` runs Megatron-Core tensor/pipeline/data parallelism inside a Lightning
+``Trainer`` and writes reshardable Megatron-Core dist-checkpoints.
+
+Heavy dependencies (Megatron-Core, Lightning) are imported on first use of a public name, so
+``import lightning_mcore_ckpt`` is instant and silent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_mcore_ckpt._version import __version__
+
+if TYPE_CHECKING:
+    from lightning_mcore_ckpt.strategy import MegatronStrategy
+
+__all__ = ["MegatronStrategy", "__version__"]
+
+_LAZY = {
+    "MegatronStrategy": "lightning_mcore_ckpt.strategy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_mcore_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,224 @@
+"""Make stock Megatron-Core run on CPU with a gloo process group.
+
+This is the only module in the package that changes third-party behaviour, and it changes
+nothing when CUDA is available: :func:`install` returns ``False`` at once on a CUDA machine,
+so GPU users always run the stock NCCL/CUDA code paths.
+
+Without CUDA, Megatron-Core 0.16 fails in a handful of places that are not about computation
+at all. Each adaptation below is the smallest that makes the stock code path run:
+
+* **CUDA RNG tracker.** Megatron keeps named "CUDA" RNG states (data-parallel, tensor-parallel,
+  expert) and swaps them in around dropout. On CPU, dropout draws from the default CPU
+  generator, so the tracker's states are backed by that generator: ``torch.cuda.get_rng_state``,
+  ``torch.cuda.manual_seed`` and the tracker's private get/set helpers read and write
+  ``torch.default_generator``. Dropout is then real, seeded per tensor-parallel rank exactly as on
+  GPU, and its state can be checkpointed and restored.
+* **Global memory buffer.** ``GlobalMemoryBuffer.get_tensor`` (sequence-parallel gathers)
+  allocates on ``torch.cuda.current_device()``; on CPU it allocates on the CPU.
+* **dist-checkpointing save.** ``preload_tensors`` and the async-call queue call
+  ``torch.cuda.synchronize()``; the save finalisation and the async-call queue allocate the small
+  status tensors of their collectives on ``torch.cuda.current_device()``. Inside those Megatron
+  modules only, ``torch.cuda`` is replaced by a stand-in whose current device is the CPU. Staging for an async save is ``tensor.to("cpu")``, which is a no-op for a CPU tensor:
+  training would then mutate what the background writer is about to write. On CPU, staging
+  copies, which is what the device-to-host copy does on GPU.
+
+What is *not* made to work here, and is avoided by the callers instead: Megatron's own optimizers
+(they allocate on ``"cuda"``; use torch optimizers on CPU) and
+``FullyParallelLoadStrategyWrapper`` (its exchange allocates on the literal ``"cuda"``; on CPU the
+strategy loads plainly, see :func:`parallel_load_supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["cuda_available", "install", "installed", "parallel_load_supported"]
+
+_lock = threading.Lock()
+_installed = False
+
+
+def cuda_available() -> bool:
+    """Whether this process runs the GPU path (stock Megatron-Core, no adaptation)."""
+    return torch.cuda.is_available()
+
+
+def installed() -> bool:
+    """Whether the CPU adaptations are active in this process."""
+    return _installed
+
+
+def parallel_load_supported() -> bool:
+    """Whether ``FullyParallelLoadStrategyWrapper`` can run here (it needs CUDA)."""
+    return cuda_available()
+
+
+def install() -> bool:
+    """Install the CPU adaptations once per process; a no-op when CUDA is available.
+
+    Returns ``True`` when the adaptations are active after the call. Safe to call any number of
+    times, from any thread.
+    """
+    global _installed
+    if cuda_available():
+        return False
+    with _lock:
+        if not _installed:
+            _patch_modules()
+            _patch_memory_buffer()
+            _patch_dist_checkpointing()
+            _installed = True
+    return True
+
+
+# --- torch.cuda as seen by Megatron-Core ------------------------------------------------------
+
+# Megatron-Core modules that use ``torch.cuda`` as "the device" (``current_device()`` as a tensor
+# device, ``synchronize()``, the default CUDA generator). Inside these modules only, ``torch`` is
+# :class:`_TorchWithCpuCuda`; every other attribute of ``torch`` is the real one.
+_MODULES_ON_CPU = (
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+)
+
+
+def _cpu_get_rng_state(
+    device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.default_generator.set_state(new_state)
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """Stands in for ``torch.cuda`` inside Megatron modules: the device and its RNG are the CPU's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    get_rng_state = staticmethod(_cpu_get_rng_state)
+    set_rng_state = staticmethod(_cpu_set_rng_state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+
+class _TorchWithCpuCuda(types.ModuleType):
+    """``torch`` as seen by one Megatron module, with ``torch.cuda`` replaced by :class:`_CpuCuda`."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _DropCpuRngChangedWarning(logging.Filter):
+    # The tracker warns when the CPU RNG changes inside a "CUDA" RNG fork; on CPU the two are
+    # the same generator by design, so that warning would fire on every dropout.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_modules() -> None:
+    cpu_torch = _TorchWithCpuCuda()
+    for name in _MODULES_ON_CPU:
+        module = importlib.import_module(name)
+        module.torch = cpu_torch  # type: ignore[attr-defined]
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # The tracker swaps named states in and out of "the CUDA generator": on CPU, the CPU one.
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    logging.getLogger(mcore_random.__name__).addFilter(_DropCpuRngChangedWarning())
+
+    # The default causal mask is built on the literal device "cuda".
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    transformer_utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask  # type: ignore[attr-defined]
+
+
+# --- global memory buffer --------------------------------------------------------------------
+
+
+def _patch_memory_buffer() -> None:
+    from megatron.core import utils as mcore_utils
+
+    original = mcore_utils.GlobalMemoryBuffer.get_tensor
+
+    def get_tensor(
+        self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+    ) -> torch.Tensor:
+        required = 1
+        for dim in tensor_shape:
+            required *= int(dim)
+        key = (name, dtype)
+        buf = self.buffer.get(key)
+        if buf is None or buf.numel() < required:
+            self.buffer[key] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
+        return self.buffer[key][0:required].view(*tensor_shape)
+
+    get_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor  # type: ignore[method-assign]
+
+
+# --- dist-checkpointing ----------------------------------------------------------------------
+
+
+def _patch_dist_checkpointing() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    writer = filesystem_async.FileSystemWriterAsync
+    original = writer.preload_tensors
+
+    def preload_tensors(write_buckets: list[Any], non_blocking: bool = True) -> list[Any]:
+        # Staging must be a snapshot: a CPU tensor's .to("cpu") is the tensor itself.
+        staged = []
+        for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+            copied = [(item, tensor.detach().to("cpu", copy=True)) for item, tensor in tensor_data]
+            staged.append((file_name, storage_key, (bytes_data, copied)))
+        return staged
+
+    preload_tensors.__wrapped__ = original  # type: ignore[attr-defined]
+    writer.preload_tensors = staticmethod(preload_tensors)  # type: ignore[method-assign,assignment]

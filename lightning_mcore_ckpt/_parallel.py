@@ -1,0 +1,89 @@
+"""Process groups and Megatron-Core parallel state: the one place both are created and torn down."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_ckpt import _cpu
+
+__all__ = ["default_backend", "destroy", "initialize"]
+
+log = logging.getLogger(__name__)
+
+
+def default_backend() -> str:
+    """``nccl`` where CUDA is available, ``gloo`` otherwise."""
+    return "nccl" if _cpu.cuda_available() else "gloo"
+
+
+def initialize(
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    seed: int = 1234,
+    backend: str | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+) -> None:
+    """Join the default process group (from the launcher's environment) and set up Megatron-Core.
+
+    Every rank calls this, in the same order, with the same sizes: it initialises
+    ``torch.distributed`` when not already initialised (``RANK``/``WORLD_SIZE``/``MASTER_*``
+    from the environment), then ``parallel_state.initialize_model_parallel`` and Megatron's RNG
+    tracker (``model_parallel_cuda_manual_seed``), so that dropout in tensor-parallel regions is
+    seeded per tensor-parallel rank exactly as Megatron-LM does it.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    _cpu.install()
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend or default_backend(), timeout=timeout)
+    world = dist.get_world_size()
+    model_parallel = (
+        tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    )
+    if world % model_parallel != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size}) "
+            f"= {model_parallel}; choose sizes whose product divides the number of processes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+    )
+    model_parallel_cuda_manual_seed(seed)
+    log.debug(
+        "rank %d: TP=%d PP=%d CP=%d EP=%d DP=%d",
+        dist.get_rank(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def destroy() -> None:
+    """Tear down Megatron-Core parallel state and the default process group, if present."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

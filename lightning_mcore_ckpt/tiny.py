@@ -1,0 +1,148 @@
+"""Tiny models for tests, examples and laptops: a Megatron-Core GPT and a Hugging Face Qwen2.
+
+Both are built locally in seconds; nothing is downloaded.
+
+Example::
+
+    from lightning_mcore_ckpt.tiny import tiny_gpt, tiny_hf_qwen2
+
+    model = tiny_gpt(hidden_dropout=0.1)        # after parallel state is initialised
+    hf_dir = tiny_hf_qwen2("/tmp/qwen2-tiny")   # config + safetensors + tokenizer
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+__all__ = ["TINY_SEQ_LEN", "TINY_VOCAB", "tiny_gpt", "tiny_gpt_config", "tiny_hf_qwen2"]
+
+TINY_VOCAB = 128
+"""Vocabulary size of :func:`tiny_gpt` (divisible by any tensor-parallel size up to 8)."""
+TINY_SEQ_LEN = 16
+"""Maximum sequence length of :func:`tiny_gpt`."""
+
+
+def tiny_gpt_config(**overrides: Any) -> TransformerConfig:
+    """A ``TransformerConfig`` for a 2-layer, 64-wide GPT, with the current parallel sizes.
+
+    ``overrides`` replace any field, e.g. ``hidden_dropout=0.0`` or ``num_layers=4``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    fields: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=torch.float32,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def tiny_gpt(
+    config: TransformerConfig | None = None,
+    *,
+    vocab_size: int = TINY_VOCAB,
+    max_sequence_length: int = TINY_SEQ_LEN,
+    **config_overrides: Any,
+) -> GPTModel:
+    """A Megatron-Core ``GPTModel`` from the local (Transformer-Engine-free) layer spec.
+
+    Call after ``parallel_state`` is initialised (inside ``LightningModule.configure_model`` when
+    training with :class:`~lightning_mcore_ckpt.MegatronStrategy`). The model holds this rank's
+    tensor- and pipeline-parallel shard.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = config if config is not None else tiny_gpt_config(**config_overrides)
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+    )
+
+
+def _tiny_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {tok: i for i, tok in enumerate(specials + letters)}
+    word = 0
+    while len(vocab) < vocab_size:
+        vocab.setdefault(f"w{word}", len(vocab))
+        word += 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def tiny_hf_qwen2(
+    path: str | os.PathLike[str],
+    *,
+    vocab_size: int = TINY_VOCAB,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised Hugging Face Qwen2 causal LM (with tokenizer) to ``path``.
+
+    The directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline.
+    Returns ``path``.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=TINY_SEQ_LEN * 8,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer = _tiny_tokenizer(vocab_size)
+    tokenizer.save_pretrained(out)
+    return out

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt._version import __version__
 
 if TYPE_CHECKING:
-    from lightning_mcore_ckpt.strategy import MegatronStrategy
+    from lightning_mcore_ckpt.strategy import CheckpointSaveError, MegatronStrategy, SaveOptions
 
-__all__ = ["MegatronStrategy", "__version__"]
+__all__ = ["CheckpointSaveError", "MegatronStrategy", "SaveOptions", "__version__"]
 
 _LAZY = {
+    "CheckpointSaveError": "lightning_mcore_ckpt.strategy",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",
+    "SaveOptions": "lightning_mcore_ckpt.strategy",
 }
 
 

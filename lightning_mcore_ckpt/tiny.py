@@ -22,7 +22,15 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-__all__ = ["TINY_SEQ_LEN", "TINY_VOCAB", "tiny_gpt", "tiny_gpt_config", "tiny_hf_qwen2"]
+__all__ = [
+    "TINY_SEQ_LEN",
+    "TINY_VOCAB",
+    "TinyGPTModule",
+    "TokenDataset",
+    "tiny_gpt",
+    "tiny_gpt_config",
+    "tiny_hf_qwen2",
+]
 
 TINY_VOCAB = 128
 """Vocabulary size of :func:`tiny_gpt` (divisible by any tensor-parallel size up to 8)."""
@@ -146,3 +154,74 @@ def tiny_hf_qwen2(
     tokenizer = _tiny_tokenizer(vocab_size)
     tokenizer.save_pretrained(out)
     return out
+
+
+class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``num_samples`` fixed random token sequences: ``(inputs, labels)`` shifted by one."""
+
+    def __init__(self, num_samples: int, seq_len: int = TINY_SEQ_LEN, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, TINY_VOCAB, (num_samples, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.tokens[index]
+        return row[:-1], row[1:]
+
+
+def _lightning_module_base() -> type:
+    import lightning.pytorch as pl
+
+    return pl.LightningModule
+
+
+class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
+    """A LightningModule around :func:`tiny_gpt`: AdamW with a step LR schedule, dropout on.
+
+    Records every training loss (``step_losses``) so that tests can compare runs bit for bit.
+
+    Example::
+
+        trainer = L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2),
+                            accelerator="cpu", devices=2, max_steps=10)
+        trainer.fit(TinyGPTModule(), train_dataloaders=DataLoader(TokenDataset(64), batch_size=4))
+    """
+
+    def __init__(self, lr: float = 1e-3, dropout: float = 0.1, num_layers: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.gpt: Any = None
+        self.step_losses: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.gpt is not None:
+            return
+        strategy = self.trainer.strategy
+        self.gpt = tiny_gpt(
+            hidden_dropout=self.hparams.dropout,
+            attention_dropout=self.hparams.dropout,
+            num_layers=self.hparams.num_layers,
+            sequence_parallel=getattr(strategy, "sequence_parallel", False),
+        )
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        return self.gpt(inputs, position_ids, None, labels=labels).mean()
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        loss = self(*batch)
+        self.step_losses.append(loss.detach().clone())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }

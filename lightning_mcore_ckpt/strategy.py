@@ -1,0 +1,762 @@
+"""``MegatronStrategy``: Megatron-Core parallelism and dist-checkpointing inside a Lightning Trainer."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from lightning_mcore_ckpt import _cpu, _optim, _parallel
+from lightning_mcore_ckpt._rng import RNGState
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "EXTRA_DIR",
+    "MODEL_DIR",
+    "OPTIM_DIR",
+    "CheckpointSaveError",
+    "MegatronStrategy",
+    "SaveOptions",
+]
+
+log = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+EXTRA_DIR = "extra"
+CONTENTS = ("model", "optimizer", "extra")
+EXTRA_FORMAT_VERSION = 1
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint write failed (raised on every rank, naming the step directory)."""
+
+
+@dataclass(kw_only=True)
+class SaveOptions:
+    """What :meth:`MegatronStrategy.save_checkpoint` writes, passed as ``storage_options``."""
+
+    contents: Sequence[str] = CONTENTS
+    """Subset of ``("model", "optimizer", "extra")`` to write."""
+    on_finalized: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    """Called on every rank, in order, once the whole save is durable on all ranks, with the
+    save's record (path, sizes, timings). For an async save this happens at finalisation."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.contents) - set(CONTENTS))
+        if unknown:
+            raise ValueError(
+                f"SaveOptions(contents=...): unknown {unknown}; choose from {list(CONTENTS)}"
+            )
+
+
+@dataclass
+class _PendingSave:
+    path: Path
+    call_ids: list[int]
+    record: dict[str, Any]
+    on_finalized: list[Callable[[dict[str, Any]], None]]
+
+
+def _check_size(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MegatronStrategy({name}={value!r}): must be a positive int")
+    return value
+
+
+class MegatronStrategy(ParallelStrategy):
+    """Train Megatron-Core models in Lightning with TP/PP/CP/EP/DP and dist-checkpoints.
+
+    The world size must be divisible by ``tensor_model_parallel_size`` x
+    ``pipeline_model_parallel_size`` x ``context_parallel_size``; the rest is data parallelism.
+    Build Megatron-Core modules in ``LightningModule.configure_model()``: parallel state and
+    Megatron's RNG tracker are ready by then. Gradients are averaged over the data-parallel group
+    by the strategy.
+
+    Checkpoints are directories: ``model/`` and ``optim/`` are Megatron-Core dist-checkpoints
+    (torch_dist), reshardable to any other layout; ``extra/`` holds, per rank, the RNG state and
+    Lightning's own checkpoint content (loops, callbacks, schedulers, hyperparameters).
+
+    Example::
+
+        trainer = L.Trainer(
+            strategy=MegatronStrategy(tensor_model_parallel_size=2),
+            accelerator="cpu", devices=2, max_steps=100,
+        )
+        trainer.fit(module)
+        trainer.save_checkpoint("checkpoints/global_step_100")
+
+    Args:
+        tensor_model_parallel_size: ranks each layer's tensors are split across.
+        pipeline_model_parallel_size: ranks the layers are split across.
+        context_parallel_size: ranks the sequence is split across.
+        expert_model_parallel_size: ranks the MoE experts are split across.
+        sequence_parallel: Megatron sequence parallelism (must match the model's config).
+        seed: seeds Python, NumPy, torch and Megatron's RNG tracker (offset per pipeline stage
+            and tensor-parallel rank as Megatron-LM does).
+        ckpt_async_save: write checkpoints in the background after staging them.
+        ckpt_parallel_save: spread the writes of replicated tensors across data-parallel ranks.
+        ckpt_parallel_load: spread the reads across data-parallel ranks (CUDA only; ignored with
+            an info message on CPU).
+        process_group_backend: ``"nccl"`` or ``"gloo"``; default nccl with CUDA, gloo without.
+        timeout: timeout of the process groups' collectives.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        seed: int = 1234,
+        ckpt_async_save: bool = False,
+        ckpt_parallel_save: bool = True,
+        ckpt_parallel_load: bool = False,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        self.tensor_model_parallel_size = _check_size(
+            "tensor_model_parallel_size", tensor_model_parallel_size
+        )
+        self.pipeline_model_parallel_size = _check_size(
+            "pipeline_model_parallel_size", pipeline_model_parallel_size
+        )
+        self.context_parallel_size = _check_size("context_parallel_size", context_parallel_size)
+        self.expert_model_parallel_size = _check_size(
+            "expert_model_parallel_size", expert_model_parallel_size
+        )
+        for name, flag in (
+            ("sequence_parallel", sequence_parallel),
+            ("ckpt_async_save", ckpt_async_save),
+            ("ckpt_parallel_save", ckpt_parallel_save),
+            ("ckpt_parallel_load", ckpt_parallel_load),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"MegatronStrategy({name}={flag!r}): must be True or False")
+        if sequence_parallel and tensor_model_parallel_size == 1:
+            raise ValueError(
+                "MegatronStrategy(sequence_parallel=True) needs tensor_model_parallel_size > 1; "
+                "set sequence_parallel=False or raise tensor_model_parallel_size"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"MegatronStrategy(seed={seed!r}): must be a non-negative int")
+        if process_group_backend not in (None, "nccl", "gloo"):
+            raise ValueError(
+                f"MegatronStrategy(process_group_backend={process_group_backend!r}): "
+                "use 'nccl', 'gloo' or None (nccl with CUDA, gloo without)"
+            )
+        self.sequence_parallel = sequence_parallel
+        self.seed = seed
+        self.ckpt_async_save = ckpt_async_save
+        self.ckpt_parallel_save = ckpt_parallel_save
+        self.ckpt_parallel_load = ckpt_parallel_load
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._async_queue: Any = None
+        self._pending: _PendingSave | None = None
+
+    # --- topology -------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        from megatron.core import parallel_state
+
+        return {
+            "num_replicas": parallel_state.get_data_parallel_world_size(),
+            "rank": parallel_state.get_data_parallel_rank(),
+        }
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide whether to inject a DistributedSampler
+        # (keyed by distributed_sampler_kwargs: the data-parallel rank, not the global rank).
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # Optimizer state is loaded, sharded, in load_checkpoint.
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(
+            self.node_rank * self.num_processes + self.local_rank
+        )
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        backend = self._process_group_backend or _parallel.default_backend()
+        self._process_group_backend = backend
+        _cpu.install()
+        if not _distributed_is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        _parallel.initialize(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            seed=self.seed,
+            timeout=self._timeout,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_model_configs()
+        self.model_to_device()
+        self.barrier("MegatronStrategy.setup")
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _megatron_modules(self) -> list[Any]:
+        from megatron.core.transformer.module import MegatronModule
+
+        assert self.model is not None
+        return [m for m in self.model.modules() if isinstance(m, MegatronModule)]
+
+    def _check_model_configs(self) -> None:
+        for module in self._megatron_modules():
+            config = getattr(module, "config", None)
+            if config is None:
+                continue
+            for attr, expected in (
+                ("tensor_model_parallel_size", self.tensor_model_parallel_size),
+                ("pipeline_model_parallel_size", self.pipeline_model_parallel_size),
+                ("sequence_parallel", self.sequence_parallel),
+            ):
+                got = getattr(config, attr, expected)
+                if got != expected:
+                    raise ValueError(
+                        f"{type(module).__name__}.config.{attr}={got!r} but "
+                        f"MegatronStrategy({attr}={expected!r}); build the model's "
+                        "TransformerConfig from the strategy's settings"
+                    )
+            break
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # --- collectives ----------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any = "mean"
+    ) -> torch.Tensor | Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # --- gradients ------------------------------------------------------------------------
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_sync_grads() -> Any:
+            result = closure()
+            self.finalize_grads()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync_grads, model, **kwargs)
+
+    def finalize_grads(self) -> None:
+        """Average gradients over the data-parallel group; sum sequence-parallel norms over TP.
+
+        Called by :meth:`optimizer_step` after the (last accumulated) backward. With Megatron-Core
+        ``DistributedDataParallel`` model chunks (the GPU path with a ``MegatronOptimizer``),
+        Megatron's own ``finalize_model_grads`` does it instead.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+
+        assert self.model is not None
+        chunks = [m for m in self.model.modules() if isinstance(m, MegatronDDP)]
+        if chunks:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads(chunks)
+            return
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_size = dist.get_world_size(dp_group)
+        if dp_size > 1:
+            _all_reduce_flat(grads, dp_group, scale=1.0 / dp_size)
+        if self.sequence_parallel and self.tensor_model_parallel_size > 1:
+            sp = [
+                g
+                for p, g in zip(params, grads, strict=True)
+                if getattr(p, "sequence_parallel", False)
+            ]
+            _all_reduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+
+    # --- checkpoint: state dicts ----------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Weights are written sharded by save_checkpoint, never as a full state dict.
+        return {}
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Loaded in load_checkpoint, sharded.
+        return None
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        return None
+
+    def model_sharded_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's weights as a Megatron-Core sharded state dict.
+
+        Megatron-Core modules contribute their own ``sharded_state_dict()``; any other parameter
+        or persistent buffer is a replicated tensor (written once, by global rank 0's replica).
+        """
+        assert self.lightning_module is not None
+        return _module_sharded_state_dict(self.lightning_module, "")
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        out = []
+        for opt in self.optimizers:
+            out.append(opt._optimizer if isinstance(opt, LightningOptimizer) else opt)
+        return out
+
+    def _optimizer_sharded_state_dict(self, model_ssd: dict[str, Any]) -> dict[str, Any]:
+        from megatron.core.optimizer import MegatronOptimizer
+
+        out: dict[str, Any] = {}
+        for idx, opt in enumerate(self._torch_optimizers()):
+            if isinstance(opt, MegatronOptimizer):
+                out[f"optimizer_{idx}"] = opt.sharded_state_dict(model_ssd)
+            else:
+                out[f"optimizer_{idx}"] = _optim.sharded_state_dict(opt, model_ssd)
+        return out
+
+    # --- checkpoint: save -----------------------------------------------------------------
+
+    def _save_strategy(self) -> Any:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        strategy = get_default_save_sharded_strategy("torch_dist")
+        if self.ckpt_parallel_save and parallel_state.get_data_parallel_world_size() > 1:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
+        return strategy
+
+    def _load_strategy(self, path: Path) -> Any:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_load_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        strategy = get_default_load_sharded_strategy(str(path))
+        if self.ckpt_parallel_load and parallel_state.get_data_parallel_world_size() > 1:
+            if _cpu.parallel_load_supported():
+                strategy = FullyParallelLoadStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+                )
+            else:
+                log.info("ckpt_parallel_load needs CUDA; loading without it on CPU")
+        return strategy
+
+    def parallel_layout(self) -> dict[str, int]:
+        """The parallel sizes of this run, as recorded in checkpoints."""
+        from megatron.core import parallel_state
+
+        return {
+            "world_size": dist.get_world_size(),
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        }
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write a checkpoint directory. Collective: every rank calls it, in the same order.
+
+        1) (all ranks) finalise a previous async save still in flight (one at a time)
+        2) (rank 0) create ``filepath`` and its ``model/``, ``optim/``, ``extra/``
+        3) (all ranks) write their shards of model and optimizer with dist-checkpointing
+           (sync: durable on return; async: staged on return, written in the background)
+        4) (all ranks) write ``extra/rank_<r>.pt``: RNG and Lightning's non-tensor state
+        5) (all ranks) once durable everywhere, call ``storage_options.on_finalized``
+        """
+        from megatron.core import dist_checkpointing
+
+        if storage_options is None:
+            options = SaveOptions()
+        elif isinstance(storage_options, SaveOptions):
+            options = storage_options
+        else:
+            raise TypeError(
+                f"MegatronStrategy.save_checkpoint(storage_options={storage_options!r}): "
+                "pass a lightning_mcore_ckpt.strategy.SaveOptions or None"
+            )
+        self.finalize_pending_save(blocking=True)
+        start = time.perf_counter()
+        path = Path(self.broadcast(str(filepath)))
+        contents = list(options.contents)
+        if self.global_rank == 0:
+            if path.exists() and any(path.iterdir()):
+                raise FileExistsError(
+                    f"checkpoint directory {path} exists and is not empty; "
+                    "save each step to a new directory"
+                )
+            for sub, wanted in (
+                (MODEL_DIR, "model"),
+                (OPTIM_DIR, "optimizer"),
+                (EXTRA_DIR, "extra"),
+            ):
+                if wanted in contents:
+                    (path / sub).mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        async_save = self.ckpt_async_save
+        requests = []
+        model_ssd = self.model_sharded_state_dict()
+        if "model" in contents:
+            requests.append(
+                dist_checkpointing.save(
+                    model_ssd,
+                    str(path / MODEL_DIR),
+                    sharded_strategy=self._save_strategy(),
+                    async_sharded_save=async_save,
+                )
+            )
+        if "optimizer" in contents and self.optimizers:
+            requests.append(
+                dist_checkpointing.save(
+                    # save() consumes the model's sharded dict; map the optimizer onto a new one.
+                    self._optimizer_sharded_state_dict(self.model_sharded_state_dict()),
+                    str(path / OPTIM_DIR),
+                    sharded_strategy=self._save_strategy(),
+                    async_sharded_save=async_save,
+                )
+            )
+        if "extra" in contents:
+            self._save_extra(path / EXTRA_DIR, checkpoint)
+        blocking = time.perf_counter() - start
+        record = {
+            "path": str(path),
+            "contents": contents,
+            "async": async_save,
+            "blocking_time_s": blocking,
+            "start_time": start,
+            "parallel_layout": self.parallel_layout(),
+        }
+        if async_save:
+            queue = self._get_async_queue()
+            call_ids = [queue.schedule_async_request(r) for r in requests if r is not None]
+            self._pending = _PendingSave(path, call_ids, record, list(options.on_finalized))
+        else:
+            self.barrier()
+            self._complete(record, options.on_finalized)
+
+    def _save_extra(self, directory: Path, checkpoint: dict[str, Any]) -> None:
+        payload = {
+            "version": EXTRA_FORMAT_VERSION,
+            "rank": self.global_rank,
+            "parallel_layout": self.parallel_layout(),
+            "rng": RNGState().state_dict(),
+            "lightning": {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            },
+        }
+        target = directory / f"rank_{self.global_rank:05d}.pt"
+        tmp = target.with_suffix(".pt.tmp")
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(target)
+
+    def _complete(
+        self, record: dict[str, Any], on_finalized: Sequence[Callable[[dict[str, Any]], None]]
+    ) -> None:
+        record["total_time_s"] = time.perf_counter() - record.pop("start_time")
+        for fn in on_finalized:
+            fn(record)
+
+    def _get_async_queue(self) -> Any:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if self._async_queue is None:
+            self._async_queue = AsyncCallsQueue()
+        return self._async_queue
+
+    def finalize_pending_save(self, blocking: bool = False) -> bool:
+        """Finalise an async save whose background write has finished on every rank.
+
+        Collective: every rank calls it at the same point (the strategy does so at each training
+        batch start, before each save, and at the end of training). With ``blocking=True`` it
+        waits for the write. Returns ``True`` when no save is in flight afterwards. A failure in
+        the background write is raised here as :class:`CheckpointSaveError` naming the step.
+        """
+        pending = self._pending
+        if pending is None:
+            return True
+        try:
+            finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        except Exception as err:
+            self._pending = None
+            raise CheckpointSaveError(
+                f"async checkpoint save to {pending.path} failed in the background write: {err}"
+            ) from err
+        pending.call_ids = [c for c in pending.call_ids if c not in finalized]
+        if pending.call_ids:
+            return False
+        self._pending = None
+        self._complete(pending.record, pending.on_finalized)
+        return True
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._pending is not None:
+            self.finalize_pending_save(blocking=False)
+
+    @override
+    def on_train_end(self) -> None:
+        self.finalize_pending_save(blocking=True)
+
+    # --- checkpoint: load -----------------------------------------------------------------
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a checkpoint directory into the current layout, whatever layout saved it.
+
+        Collective. Weights always; the optimizer only when fitting (so evaluation and export
+        read no optimizer bytes); RNG and Lightning's state from ``extra/`` (this rank's file when
+        the layout is unchanged, else rank 0's, and RNG is then re-derived from the seed).
+        """
+        from megatron.core import dist_checkpointing
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / MODEL_DIR).is_dir():
+            raise FileNotFoundError(
+                f"{path} is not a lightning-mcore-ckpt step directory: it has no {MODEL_DIR}/ "
+                "(expected model/, optim/, extra/)"
+            )
+        model_ssd = self.model_sharded_state_dict()
+        loaded = dist_checkpointing.load(
+            model_ssd, str(path / MODEL_DIR), sharded_strategy=self._load_strategy(path / MODEL_DIR)
+        )
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(loaded, strict=self.lightning_module.strict_loading)
+
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.optimizers:
+            if not (path / OPTIM_DIR).is_dir():
+                raise FileNotFoundError(
+                    f"{path} has no {OPTIM_DIR}/ to resume the optimizer from; it was saved "
+                    "without 'optimizer' in its contents"
+                )
+            self._load_optimizers(path / OPTIM_DIR)
+        return self._load_extra(path / EXTRA_DIR)
+
+    def _load_optimizers(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.optimizer import MegatronOptimizer
+
+        for opt in self._torch_optimizers():
+            if not isinstance(opt, MegatronOptimizer):
+                _optim.init_state(opt)
+        model_ssd = self.model_sharded_state_dict()
+        loaded = dist_checkpointing.load(
+            self._optimizer_sharded_state_dict(model_ssd),
+            str(directory),
+            sharded_strategy=self._load_strategy(directory),
+        )
+        for idx, opt in enumerate(self._torch_optimizers()):
+            if isinstance(opt, MegatronOptimizer):
+                opt.load_state_dict(loaded[f"optimizer_{idx}"])
+            else:
+                _optim.load_sharded(opt, loaded[f"optimizer_{idx}"])
+
+    def _load_extra(self, directory: Path) -> dict[str, Any]:
+        if not directory.is_dir():
+            log.warning("%s is missing: loops, callbacks and RNG start fresh", directory)
+            return {}
+        own = directory / f"rank_{self.global_rank:05d}.pt"
+        first = directory / "rank_00000.pt"
+        source = own if own.is_file() else first
+        payload = torch.load(source, map_location="cpu", weights_only=False)
+        same_layout = payload.get("parallel_layout") == self.parallel_layout()
+        if same_layout and source == own:
+            RNGState().load_state_dict(payload.get("rng", {}))
+        else:
+            if self.global_rank == 0:
+                log.warning(
+                    "parallel layout changed since the save (%s -> %s): RNG is re-derived from "
+                    "seed=%d per rank instead of restored",
+                    payload.get("parallel_layout"),
+                    self.parallel_layout(),
+                    self.seed,
+                )
+        return dict(payload.get("lightning", {}))
+
+    # --- checkpoint: remove, teardown -----------------------------------------------------
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a step directory. Collective: rank 0 deletes, every rank waits for it."""
+        path = Path(filepath)
+        if self._pending is not None and self._pending.path == path:
+            self.finalize_pending_save(blocking=True)
+        if self.global_rank == 0 and path.exists():
+            shutil.rmtree(path)
+        self.barrier()
+
+    @override
+    def teardown(self) -> None:
+        if self._pending is not None and _distributed_is_initialized():
+            self.finalize_pending_save(blocking=True)
+        if self._async_queue is not None:
+            self._async_queue.close()
+            self._async_queue = None
+        # Parallel state stays up so that the model can still be used (and saved) after fit;
+        # the next strategy to set up re-initialises it.
+        super().teardown()
+
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Any:
+        return nullcontext()
+
+
+def _all_reduce_flat(
+    tensors: Sequence[torch.Tensor], group: Any, scale: float | None = None
+) -> None:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(group_tensors)
+        dist.all_reduce(flat, group=group)
+        if scale is not None:
+            flat.mul_(scale)
+        for t, synced in zip(
+            group_tensors,
+            torch._utils._unflatten_dense_tensors(flat, group_tensors),
+            strict=True,
+        ):
+            t.copy_(synced)
+
+
+def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.module import MegatronModule
+
+    out: dict[str, Any] = {}
+    rank = dist.get_rank() if _distributed_is_initialized() else 0
+    local = list(module._parameters.items()) + [
+        (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set
+    ]
+    for name, tensor in local:
+        if tensor is not None:
+            key = f"{prefix}{name}"
+            out[key] = ShardedTensor.from_rank_offsets(key, tensor, replica_id=rank)
+    for name, child in module.named_children():
+        if isinstance(child, MegatronModule):
+            out.update(child.sharded_state_dict(prefix=f"{prefix}{name}."))
+        else:
+            out.update(_module_sharded_state_dict(child, f"{prefix}{name}."))
+    return out

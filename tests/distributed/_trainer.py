@@ -1,0 +1,47 @@
+"""Helpers shared by the distributed Trainer tests (run inside each rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def make_trainer(max_steps: int, strategy: Any, devices: int, **kwargs: Any) -> Any:
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def loader(num_samples: int, batch_size: int = 2, **kwargs: Any) -> Any:
+    from torch.utils.data import DataLoader
+
+    from lightning_mcore_ckpt.tiny import TokenDataset
+
+    return DataLoader(TokenDataset(num_samples), batch_size=batch_size, **kwargs)
+
+
+def gathered_weights(trainer: Any) -> dict[str, torch.Tensor]:
+    from lightning_mcore_ckpt.testing import gather_sharded
+
+    return gather_sharded(trainer.strategy.model_sharded_state_dict())
+
+
+def gathered_optimizer(trainer: Any) -> dict[str, torch.Tensor]:
+    from lightning_mcore_ckpt.testing import gather_sharded
+
+    strategy = trainer.strategy
+    return gather_sharded(
+        strategy._optimizer_sharded_state_dict(strategy.model_sharded_state_dict())
+    )

@@ -543,9 +543,9 @@ class MegatronStrategy(ParallelStrategy):
             "parallel_layout": self.parallel_layout(),
         }
         if async_save:
-            queue = self._get_async_queue()
-            call_ids = [queue.schedule_async_request(r) for r in requests if r is not None]
-            self._pending = _PendingSave(path, call_ids, record, list(options.on_finalized))
+            request = _combine_async_requests([r for r in requests if r is not None])
+            call_id = self._get_async_queue().schedule_async_request(request)
+            self._pending = _PendingSave(path, [call_id], record, list(options.on_finalized))
         else:
             self.barrier()
             self._complete(record, options.on_finalized)
@@ -593,9 +593,11 @@ class MegatronStrategy(ParallelStrategy):
         pending = self._pending
         if pending is None:
             return True
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             self._pending = None
             raise CheckpointSaveError(
                 f"async checkpoint save to {pending.path} failed in the background write: {err}"
@@ -720,6 +722,36 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
         return nullcontext()
+
+
+def _run_in_order(
+    calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+) -> None:
+    for fn, args, kwargs in calls:
+        fn(*args, **kwargs)
+
+
+def _combine_async_requests(requests: Sequence[Any]) -> Any:
+    """One async request that stages, writes and finalises ``requests`` in order.
+
+    Megatron-Core's async writer returns its write results through one process-wide queue, so
+    two saves in flight at once (model/ and optim/) can pick up each other's results. Written by
+    one background process, one after the other, their results arrive in the order their
+    finalisers read them. Staging (``preload_fn``) happens here, on the training thread: it is
+    the snapshot the background writes from.
+    """
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    calls = []
+    finalize_fns: list[Callable[[], None]] = []
+    for req in requests:
+        args = list(req.async_fn_args)
+        if req.preload_fn is not None:
+            args[1] = req.preload_fn()
+        if req.async_fn is not None:
+            calls.append((req.async_fn, tuple(args), dict(req.async_fn_kwargs)))
+        finalize_fns.extend(req.finalize_fns)
+    return AsyncRequest(_run_in_order, (calls,), finalize_fns)
 
 
 def _all_reduce_flat(

@@ -1,0 +1,80 @@
+"""A checkpoint saved in one parallel layout loads into another with identical tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mcore_ckpt.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(240)
+
+SAVED_STEPS = 2
+
+
+def _train_and_save(rank: int, world_size: int, step_dir: str, tp: int) -> dict[str, object]:
+    from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    trainer = make_trainer(SAVED_STEPS, MegatronStrategy(tensor_model_parallel_size=tp), world_size)
+    trainer.fit(TinyGPTModule(), train_dataloaders=loader(16, 2, shuffle=True))
+    trainer.save_checkpoint(step_dir)
+    return {"weights": gathered_weights(trainer), "optim": gathered_optimizer(trainer)}
+
+
+def _load_and_continue(rank: int, world_size: int, step_dir: str, tp: int) -> dict[str, object]:
+    import lightning.pytorch as pl
+    from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    seen: dict[str, object] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            seen["weights"] = gathered_weights(trainer)
+            seen["optim"] = gathered_optimizer(trainer)
+            seen["start_step"] = trainer.global_step
+
+    module = TinyGPTModule()
+    trainer = make_trainer(
+        SAVED_STEPS + 2,
+        MegatronStrategy(tensor_model_parallel_size=tp),
+        world_size,
+        callbacks=[Capture()],
+    )
+    trainer.fit(module, train_dataloaders=loader(16, 2, shuffle=True), ckpt_path=step_dir)
+    seen["losses"] = module.step_losses
+    seen["end_step"] = trainer.global_step
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("save_world", "save_tp", "load_world", "load_tp"),
+    [(2, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 1)],
+    ids=["tp2-to-tp1", "tp1-to-tp2", "dp2-to-dp1"],
+)
+def test_reshard_restores_identical_weights_and_optimizer_moments(
+    tmp_path: Path, save_world: int, save_tp: int, load_world: int, load_tp: int
+) -> None:
+    step_dir = str(tmp_path / "global_step_2")
+    saved = run_distributed(_train_and_save, save_world, step_dir, save_tp, timeout=200)[0]
+    loaded = run_distributed(_load_and_continue, load_world, step_dir, load_tp, timeout=200)
+
+    assert any(".exp_avg_sq." in k for k in saved["optim"])
+    for r in loaded:
+        assert r["start_step"] == SAVED_STEPS
+        assert r["weights"].keys() == saved["weights"].keys()
+        for key, tensor in saved["weights"].items():
+            assert torch.equal(tensor, r["weights"][key]), f"weight {key}"
+        assert r["optim"].keys() == saved["optim"].keys()
+        for key, tensor in saved["optim"].items():
+            assert torch.equal(tensor, r["optim"][key]), f"optimizer state {key}"
+        # ... and training continues from there.
+        assert r["end_step"] == SAVED_STEPS + 2
+        assert len(r["losses"]) == 2 and all(torch.isfinite(x) for x in r["losses"])

@@ -1,0 +1,52 @@
+"""MegatronStrategy rejects bad arguments at construction, naming the argument and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"tensor_model_parallel_size": 0},
+            r"tensor_model_parallel_size=0\): must be a positive int",
+        ),
+        ({"pipeline_model_parallel_size": 1.5}, r"pipeline_model_parallel_size=1.5\)"),
+        ({"context_parallel_size": True}, r"context_parallel_size=True\)"),
+        ({"expert_model_parallel_size": -2}, r"expert_model_parallel_size=-2\)"),
+        ({"ckpt_async_save": "yes"}, r"ckpt_async_save='yes'\): must be True or False"),
+        ({"seed": -1}, r"seed=-1\): must be a non-negative int"),
+        (
+            {"process_group_backend": "mpi"},
+            r"process_group_backend='mpi'\): use 'nccl', 'gloo' or None",
+        ),
+        (
+            {"sequence_parallel": True},
+            r"sequence_parallel=True\) needs tensor_model_parallel_size > 1",
+        ),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_argument_named(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        MegatronStrategy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_defaults_are_those_of_the_public_interface() -> None:
+    strategy = MegatronStrategy()
+    assert strategy.tensor_model_parallel_size == 1
+    assert strategy.seed == 1234
+    assert strategy.ckpt_parallel_save is True
+    assert strategy.ckpt_async_save is False
+    assert strategy.process_group_backend is None
+
+
+def test_save_options_reject_unknown_contents() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown \['weights'\]; choose from \['model', 'optimizer', 'extra'\]"
+    ):
+        SaveOptions(contents=("model", "weights"))

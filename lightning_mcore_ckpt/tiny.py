@@ -218,6 +218,13 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        loss = self(*batch)
+        self.log("val_loss", loss)
+        return loss
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)

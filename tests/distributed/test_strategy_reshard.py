@@ -78,3 +78,29 @@ def test_reshard_restores_identical_weights_and_optimizer_moments(
         # ... and training continues from there.
         assert r["end_step"] == SAVED_STEPS + 2
         assert len(r["losses"]) == 2 and all(torch.isfinite(x) for x in r["losses"])
+
+
+def _validate_from_weights_only(rank: int, world_size: int, step_dir: str) -> dict[str, object]:
+    import shutil
+
+    from _trainer import gathered_weights, loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    if rank == 0:  # evaluation must not need (or read) the optimizer's bytes
+        shutil.rmtree(f"{step_dir}/optim")
+    trainer = make_trainer(1, MegatronStrategy(tensor_model_parallel_size=2), world_size)
+    metrics = trainer.validate(TinyGPTModule(), dataloaders=loader(8, 2), ckpt_path=step_dir)
+    return {"weights": gathered_weights(trainer), "val_loss": metrics[0]["val_loss"]}
+
+
+def test_validate_loads_weights_without_reading_the_optimizer(tmp_path: Path) -> None:
+    step_dir = str(tmp_path / "global_step_2")
+    saved = run_distributed(_train_and_save, 2, step_dir, 2, timeout=200)[0]
+    results = run_distributed(_validate_from_weights_only, 2, step_dir, timeout=200)
+    assert not (tmp_path / "global_step_2" / "optim").exists()
+    for r in results:
+        for key, tensor in saved["weights"].items():
+            assert torch.equal(tensor, r["weights"][key]), key
+        assert r["val_loss"] > 0

@@ -495,20 +495,25 @@ class MegatronStrategy(ParallelStrategy):
         start = time.perf_counter()
         path = Path(self.broadcast(str(filepath)))
         contents = list(options.contents)
+        problem = None
         if self.global_rank == 0:
-            if path.exists() and any(path.iterdir()):
-                raise FileExistsError(
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                problem = (
                     f"checkpoint directory {path} exists and is not empty; "
                     "save each step to a new directory"
                 )
-            for sub, wanted in (
-                (MODEL_DIR, "model"),
-                (OPTIM_DIR, "optimizer"),
-                (EXTRA_DIR, "extra"),
-            ):
-                if wanted in contents:
-                    (path / sub).mkdir(parents=True, exist_ok=True)
-        self.barrier()
+            else:
+                for sub, wanted in (
+                    (MODEL_DIR, "model"),
+                    (OPTIM_DIR, "optimizer"),
+                    (EXTRA_DIR, "extra"),
+                ):
+                    if wanted in contents:
+                        (path / sub).mkdir(parents=True, exist_ok=True)
+        # Every rank raises the same error instead of waiting for rank 0 in a barrier.
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise FileExistsError(problem)
         async_save = self.ckpt_async_save
         requests = []
         model_ssd = self.model_sharded_state_dict()

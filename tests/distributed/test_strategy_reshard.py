@@ -104,3 +104,33 @@ def test_validate_loads_weights_without_reading_the_optimizer(tmp_path: Path) ->
         for key, tensor in saved["weights"].items():
             assert torch.equal(tensor, r["weights"][key]), key
         assert r["val_loss"] > 0
+
+
+def _save_twice(rank: int, world_size: int, step_dir: str) -> str:
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    trainer = make_trainer(1, MegatronStrategy(tensor_model_parallel_size=2), world_size)
+    trainer.fit(TinyGPTModule(), train_dataloaders=loader(8, 2))
+    trainer.save_checkpoint(step_dir)
+    try:
+        trainer.save_checkpoint(step_dir)
+    except FileExistsError as err:
+        return str(err)
+    return "no error"
+
+
+def test_saving_into_a_non_empty_step_directory_fails_on_every_rank(tmp_path: Path) -> None:
+    step_dir = tmp_path / "global_step_1"
+    messages = run_distributed(_save_twice, 2, str(step_dir), timeout=120)
+    assert (
+        messages
+        == [
+            f"checkpoint directory {step_dir} exists and is not empty; "
+            "save each step to a new directory"
+        ]
+        * 2
+    )
+    assert (step_dir / "model" / ".metadata").is_file()  # the first save is intact

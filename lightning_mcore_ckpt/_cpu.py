@@ -7,20 +7,23 @@ so GPU users always run the stock NCCL/CUDA code paths.
 Without CUDA, Megatron-Core 0.16 fails in a handful of places that are not about computation
 at all. Each adaptation below is the smallest that makes the stock code path run:
 
+* **``torch.cuda`` as "the device".** A listed set of Megatron modules (``_MODULES_ON_CPU``:
+  tensor-parallel layers and mappings, rotary embeddings, the GPT model, attention, the
+  transformer layer, the dist-checkpointing save finaliser and async-call queue) use
+  ``torch.cuda.current_device()`` as a tensor device, call ``torch.cuda.synchronize()``, and seed
+  or read the default CUDA generator. Inside those modules only, ``torch`` is a stand-in whose
+  ``cuda`` is the CPU: current device ``cpu``, a no-op synchronize, and RNG calls that read and
+  write ``torch.default_generator``. The global ``torch.cuda`` is not touched.
 * **CUDA RNG tracker.** Megatron keeps named "CUDA" RNG states (data-parallel, tensor-parallel,
-  expert) and swaps them in around dropout. On CPU, dropout draws from the default CPU
-  generator, so the tracker's states are backed by that generator: ``torch.cuda.get_rng_state``,
-  ``torch.cuda.manual_seed`` and the tracker's private get/set helpers read and write
-  ``torch.default_generator``. Dropout is then real, seeded per tensor-parallel rank exactly as on
-  GPU, and its state can be checkpointed and restored.
-* **Global memory buffer.** ``GlobalMemoryBuffer.get_tensor`` (sequence-parallel gathers)
-  allocates on ``torch.cuda.current_device()``; on CPU it allocates on the CPU.
-* **dist-checkpointing save.** ``preload_tensors`` and the async-call queue call
-  ``torch.cuda.synchronize()``; the save finalisation and the async-call queue allocate the small
-  status tensors of their collectives on ``torch.cuda.current_device()``. Inside those Megatron
-  modules only, ``torch.cuda`` is replaced by a stand-in whose current device is the CPU. Staging for an async save is ``tensor.to("cpu")``, which is a no-op for a CPU tensor:
-  training would then mutate what the background writer is about to write. On CPU, staging
-  copies, which is what the device-to-host copy does on GPU.
+  expert) and swaps them in around dropout; its private get/set helpers are backed by the CPU
+  generator, which is what dropout draws from on CPU. Dropout is then real, seeded per
+  tensor-parallel rank exactly as on GPU, and its state can be checkpointed and restored.
+* **Causal mask and global memory buffer.** ``get_default_causal_mask`` builds on the literal
+  device ``"cuda"`` and ``GlobalMemoryBuffer.get_tensor`` (sequence-parallel gathers) allocates on
+  the CUDA device; on CPU both allocate on the CPU.
+* **Async staging.** Staging for an async save is ``tensor.to("cpu")``, which is no copy for a CPU
+  tensor, so training could mutate what the background writer is about to write. On CPU,
+  staging copies, which is what the device-to-host copy does on GPU.
 
 What is *not* made to work here, and is avoided by the callers instead: Megatron's own optimizers
 (they allocate on ``"cuda"``; use torch optimizers on CPU) and

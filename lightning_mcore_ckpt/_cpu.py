@@ -9,11 +9,13 @@ at all. Each adaptation below is the smallest that makes the stock code path run
 
 * **``torch.cuda`` as "the device".** A listed set of Megatron modules (``_MODULES_ON_CPU``:
   tensor-parallel layers and mappings, rotary embeddings, the GPT model, attention, the
-  transformer layer, the dist-checkpointing save finaliser and async-call queue) use
-  ``torch.cuda.current_device()`` as a tensor device, call ``torch.cuda.synchronize()``, and seed
-  or read the default CUDA generator. Inside those modules only, ``torch`` is a stand-in whose
-  ``cuda`` is the CPU: current device ``cpu``, a no-op synchronize, and RNG calls that read and
-  write ``torch.default_generator``. The global ``torch.cuda`` is not touched.
+  transformer layer, the dist-checkpointing save finaliser and async-call queue, the pipeline
+  schedules and their point-to-point communication) use ``torch.cuda.current_device()`` or the
+  literal ``"cuda"`` as a tensor device, call ``torch.cuda.synchronize()``, and seed or read the
+  default CUDA generator. Inside those modules only, ``torch`` is a stand-in whose ``cuda`` is the
+  CPU: current device ``cpu``, a no-op synchronize, RNG calls that read and write
+  ``torch.default_generator``, and ``zeros``/``empty`` that put a ``"cuda"`` tensor on the CPU.
+  The global ``torch.cuda`` is not touched.
 * **CUDA RNG tracker.** Megatron keeps named "CUDA" RNG states (data-parallel, tensor-parallel,
   expert) and swaps them in around dropout; its private get/set helpers are backed by the CPU
   generator, which is what dropout draws from on CPU. Dropout is then real, seeded per
@@ -100,6 +102,8 @@ _MODULES_ON_CPU = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
 )
 
 
@@ -148,6 +152,21 @@ class _TorchWithCpuCuda(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+    # The pipeline schedules allocate their token counter on the literal device "cuda".
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def empty(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, device=_on_cpu(device), **kwargs)
+
+
+def _on_cpu(device: Any) -> Any:
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
 
 
 class _DropCpuRngChangedWarning(logging.Filter):

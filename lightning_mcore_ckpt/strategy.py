@@ -183,6 +183,7 @@ class MegatronStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._async_queue: Any = None
         self._pending: _PendingSave | None = None
+        self._schedule_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
 
     # --- topology -------------------------------------------------------------------------
 
@@ -269,6 +270,9 @@ class MegatronStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning clips by the norm of this rank's gradients; with model parallelism that norm
+        # must be the model's (see clip_grad_by_norm).
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign,assignment]
 
     def _megatron_modules(self) -> list[Any]:
         from megatron.core.transformer.module import MegatronModule
@@ -333,12 +337,181 @@ class MegatronStrategy(ParallelStrategy):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
+        from megatron.core.optimizer import MegatronOptimizer
+
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(inner, MegatronOptimizer):
+            return self._megatron_optimizer_step(inner, closure)
+
         def closure_then_sync_grads() -> Any:
             result = closure()
             self.finalize_grads()
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync_grads, model, **kwargs)
+
+    def _megatron_optimizer_step(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        # A MegatronOptimizer steps without a closure and clips by its own config (clip_grad);
+        # Megatron DDP keeps gradients in its buffers, zeroed once the step has used them.
+        from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+
+        result = closure()
+        self.finalize_grads()
+        optimizer.step()
+        assert self.model is not None
+        for chunk in self.model.modules():
+            if isinstance(chunk, MegatronDDP):
+                chunk.zero_grad_buffer()
+        return result
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # Lightning accepts objects that look like torch optimizers; a MegatronOptimizer lacks
+        # only `defaults`. Give it one, so configure_optimizers may return it as it is.
+        module = self.lightning_module
+        assert module is not None
+        configure = module.configure_optimizers
+
+        def configure_optimizers() -> Any:
+            conf = configure()
+            _give_megatron_optimizers_defaults(conf)
+            return conf
+
+        module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+        try:
+            super().setup_optimizers(trainer)
+        finally:
+            del module.configure_optimizers
+
+    def forward_backward(
+        self,
+        forward_step_func: Callable[[Any, Any], tuple[torch.Tensor, Callable[..., Any]]],
+        data_iterator: Any,
+        *,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        model: torch.nn.Module | None = None,
+        forward_only: bool = False,
+    ) -> torch.Tensor:
+        """Run Megatron-Core's pipeline schedule over ``num_microbatches`` micro-batches.
+
+        This is how a LightningModule trains with ``pipeline_model_parallel_size > 1``: call it
+        from ``training_step`` (or ``validation_step`` with ``forward_only=True``) and return
+        what it returns. The schedule runs forward and backward itself, passing activations
+        between stages; under automatic optimisation its gradients are applied where Lightning
+        would have run ``loss.backward()``, so zero_grad, gradient accumulation, clipping and LR
+        schedulers behave as usual. Under manual optimisation, the gradients are in ``.grad``
+        when it returns. It also works with ``pipeline_model_parallel_size=1``.
+
+        ``forward_step_func(data_iterator, model)`` follows Megatron-LM's contract: it takes the
+        next micro-batch from the iterator, runs ``model`` (this stage's chunk: pass the
+        activations it was given, Megatron sets them) and returns ``(output, loss_func)``, where
+        ``loss_func(output)`` returns ``(loss, logged_dict)``. ``model`` defaults to the
+        LightningModule's only top-level Megatron-Core module.
+
+        Returns the mean micro-batch loss, detached, on every rank (pipeline stages other than
+        the last receive it from the last).
+
+        Example::
+
+            def training_step(self, batch, batch_idx):
+                micro = iter(zip(batch[0].split(2), batch[1].split(2)))
+                return self.trainer.strategy.forward_backward(
+                    self._forward_step, micro, num_microbatches=2,
+                    seq_length=batch[0].shape[1], micro_batch_size=2)
+        """
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        chunk = model if model is not None else self._model_chunk()
+        accumulate = 1
+        if not forward_only and self.lightning_module is not None:
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        losses: list[torch.Tensor] = []
+
+        def step(data: Any, module: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+            output, loss_func = forward_step_func(data, module)
+
+            def recorded_loss(out: torch.Tensor) -> Any:
+                loss, *rest = loss_func(out)
+                if len(rest) == 2:  # (loss_sum, num_tokens, logged): the mean is per token
+                    losses.append(loss.detach() / torch.clamp(rest[0], min=1))
+                else:
+                    losses.append(loss.detach().clone())
+                # Lightning divides by accumulate_grad_batches before its backward; do the same.
+                return (loss / accumulate, *rest) if accumulate > 1 else (loss, *rest)
+
+            return output, recorded_loss
+
+        # Lightning's automatic optimisation zeroes gradients *after* training_step and before
+        # its backward: keep the schedule's gradients aside and add them in backward(), so
+        # accumulation and zero_grad behave exactly as with an ordinary loss.backward().
+        stash = (
+            not forward_only
+            and self.lightning_module is not None
+            and self.lightning_module.automatic_optimization
+        )
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        previous = [p.grad for p in params] if stash else []
+        if stash:
+            for p in params:
+                p.grad = None
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=data_iterator,
+            model=[chunk],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+        mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            mean = mean.to(self.root_device)
+            dist.broadcast(
+                mean,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        if stash:
+            self._schedule_grads = [(p, p.grad) for p in params]
+            for p, grad in zip(params, previous, strict=True):
+                p.grad = grad
+        return mean
+
+    @override
+    def backward(
+        self,
+        closure_loss: torch.Tensor,
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if self._schedule_grads is not None:
+            # forward_backward already ran the backward pass of this loss: add its gradients.
+            for p, grad in self._schedule_grads:
+                if grad is None:
+                    continue
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+            self._schedule_grads = None
+            return closure_loss.detach()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _model_chunk(self) -> torch.nn.Module:
+        from megatron.core.transformer.module import MegatronModule
+
+        assert self.lightning_module is not None
+        chunks = [m for m in self.lightning_module.children() if isinstance(m, MegatronModule)]
+        if len(chunks) != 1:
+            raise ValueError(
+                f"forward_backward(model=None) needs exactly one Megatron-Core module attribute "
+                f"on the LightningModule, found {len(chunks)}; pass model=<the module to run>"
+            )
+        return chunks[0]
 
     def finalize_grads(self) -> None:
         """Average gradients over the data-parallel group; sum sequence-parallel norms over TP.
@@ -363,6 +536,8 @@ class MegatronStrategy(ParallelStrategy):
         dp_size = dist.get_world_size(dp_group)
         if dp_size > 1:
             _all_reduce_flat(grads, dp_group, scale=1.0 / dp_size)
+        if self.pipeline_model_parallel_size > 1:
+            _all_reduce_tied_embedding_grads(self._megatron_modules())
         if self.sequence_parallel and self.tensor_model_parallel_size > 1:
             sp = [
                 g
@@ -370,6 +545,37 @@ class MegatronStrategy(ParallelStrategy):
                 if getattr(p, "sequence_parallel", False)
             ]
             _all_reduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip gradients by the norm of the whole model's gradient (``gradient_clip_val``).
+
+        Each rank holds a shard of the gradient: the norm is summed over the tensor- and
+        pipeline-parallel ranks, counting tensor-parallel duplicates (layer norms) and the
+        pipeline's second copy of tied embeddings once, so every rank scales by the same
+        coefficient and the update equals the unsharded model's. Returns the total norm.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        counted = [
+            g
+            for p, g in zip(params, grads, strict=True)
+            if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p)
+        ]
+        device = grads[0].device if grads else self.root_device
+        square = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in counted:
+            square += grad.detach().float().pow(2).sum()
+        model_parallel = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(model_parallel) > 1:
+            dist.all_reduce(square, group=model_parallel)
+        total = square.sqrt()
+        # Same coefficient as torch.nn.utils.clip_grad_norm_.
+        coefficient = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coefficient.to(g.dtype))
 
     # --- checkpoint: state dicts ----------------------------------------------------------
 
@@ -406,13 +612,15 @@ class MegatronStrategy(ParallelStrategy):
             out.append(opt._optimizer if isinstance(opt, LightningOptimizer) else opt)
         return out
 
-    def _optimizer_sharded_state_dict(self, model_ssd: dict[str, Any]) -> dict[str, Any]:
+    def _optimizer_sharded_state_dict(
+        self, model_ssd: dict[str, Any], is_loading: bool = False
+    ) -> dict[str, Any]:
         from megatron.core.optimizer import MegatronOptimizer
 
         out: dict[str, Any] = {}
         for idx, opt in enumerate(self._torch_optimizers()):
             if isinstance(opt, MegatronOptimizer):
-                out[f"optimizer_{idx}"] = opt.sharded_state_dict(model_ssd)
+                out[f"optimizer_{idx}"] = opt.sharded_state_dict(model_ssd, is_loading=is_loading)
             else:
                 out[f"optimizer_{idx}"] = _optim.sharded_state_dict(opt, model_ssd)
         return out
@@ -669,7 +877,7 @@ class MegatronStrategy(ParallelStrategy):
                 _optim.init_state(opt)
         model_ssd = self.model_sharded_state_dict()
         loaded = dist_checkpointing.load(
-            self._optimizer_sharded_state_dict(model_ssd),
+            self._optimizer_sharded_state_dict(model_ssd, is_loading=True),
             str(directory),
             sharded_strategy=self._load_strategy(directory),
         )
@@ -776,6 +984,38 @@ def _all_reduce_flat(
             strict=True,
         ):
             t.copy_(synced)
+
+
+def _give_megatron_optimizers_defaults(conf: Any) -> None:
+    from megatron.core.optimizer import MegatronOptimizer
+
+    if isinstance(conf, MegatronOptimizer):
+        if not hasattr(conf, "defaults"):
+            conf.defaults = {}
+    elif isinstance(conf, dict):
+        _give_megatron_optimizers_defaults(conf.get("optimizer"))
+    elif isinstance(conf, list | tuple):
+        for item in conf:
+            _give_megatron_optimizers_defaults(item)
+
+
+def _all_reduce_tied_embedding_grads(modules: Sequence[Any]) -> None:
+    # With pipeline parallelism, tied input embeddings (first stage) and output layer (last
+    # stage) are two copies of one weight: sum their gradients so both apply the same update.
+    from megatron.core import parallel_state
+
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    for module in modules:
+        if not getattr(module, "share_embeddings_and_output_weights", False):
+            continue
+        if not (getattr(module, "pre_process", False) or getattr(module, "post_process", False)):
+            continue
+        weight = module.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+        return
 
 
 def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ def tiny_gpt_config(**overrides: Any) -> TransformerConfig:
         attention_dropout=0.1,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         sequence_parallel=False,
@@ -181,6 +182,8 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
     """A LightningModule around :func:`tiny_gpt`: AdamW with a step LR schedule, dropout on.
 
     Records every training loss (``step_losses``) so that tests can compare runs bit for bit.
+    With pipeline parallelism, each batch runs through
+    :meth:`~lightning_mcore_ckpt.MegatronStrategy.forward_backward`, one micro-batch per sample.
 
     Example::
 
@@ -210,10 +213,36 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
         return self.gpt(inputs, position_ids, None, labels=labels).mean()
 
+    def _pipelined(self) -> bool:
+        from megatron.core import parallel_state
+
+        return bool(parallel_state.get_pipeline_model_parallel_world_size() > 1)
+
+    def _forward_step(self, data: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        inputs, labels = next(data)
+        position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        output = model(inputs, position_ids, None, labels=labels)
+        return output, lambda out: (out.mean(), {})
+
+    def _pipeline_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], forward_only: bool
+    ) -> torch.Tensor:
+        # One micro-batch per sample through Megatron-Core's pipeline schedule.
+        inputs, labels = batch
+        loss: torch.Tensor = self.trainer.strategy.forward_backward(
+            self._forward_step,
+            iter(zip(inputs.split(1), labels.split(1), strict=True)),
+            num_microbatches=inputs.shape[0],
+            seq_length=inputs.shape[1],
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+        return loss
+
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
-        loss = self(*batch)
+        loss = self._pipeline_step(batch, False) if self._pipelined() else self(*batch)
         self.step_losses.append(loss.detach().clone())
         self.log("train_loss", loss, prog_bar=True)
         return loss
@@ -221,7 +250,7 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
     def validation_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
-        loss = self(*batch)
+        loss = self._pipeline_step(batch, True) if self._pipelined() else self(*batch)
         self.log("val_loss", loss)
         return loss
 

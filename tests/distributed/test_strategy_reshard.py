@@ -14,19 +14,24 @@ pytestmark = pytest.mark.timeout(240)
 SAVED_STEPS = 2
 
 
-def _train_and_save(rank: int, world_size: int, step_dir: str, tp: int) -> dict[str, object]:
+def _train_and_save(
+    rank: int, world_size: int, step_dir: str, tp: int, pp: int
+) -> dict[str, object]:
     from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
 
     from lightning_mcore_ckpt import MegatronStrategy
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
-    trainer = make_trainer(SAVED_STEPS, MegatronStrategy(tensor_model_parallel_size=tp), world_size)
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    trainer = make_trainer(SAVED_STEPS, strategy, world_size)
     trainer.fit(TinyGPTModule(), train_dataloaders=loader(16, 2, shuffle=True))
     trainer.save_checkpoint(step_dir)
     return {"weights": gathered_weights(trainer), "optim": gathered_optimizer(trainer)}
 
 
-def _load_and_continue(rank: int, world_size: int, step_dir: str, tp: int) -> dict[str, object]:
+def _load_and_continue(
+    rank: int, world_size: int, step_dir: str, tp: int, pp: int
+) -> dict[str, object]:
     import lightning.pytorch as pl
     from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
 
@@ -44,7 +49,7 @@ def _load_and_continue(rank: int, world_size: int, step_dir: str, tp: int) -> di
     module = TinyGPTModule()
     trainer = make_trainer(
         SAVED_STEPS + 2,
-        MegatronStrategy(tensor_model_parallel_size=tp),
+        MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         world_size,
         callbacks=[Capture()],
     )
@@ -55,16 +60,29 @@ def _load_and_continue(rank: int, world_size: int, step_dir: str, tp: int) -> di
 
 
 @pytest.mark.parametrize(
-    ("save_world", "save_tp", "load_world", "load_tp"),
-    [(2, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 1)],
-    ids=["tp2-to-tp1", "tp1-to-tp2", "dp2-to-dp1"],
+    ("save_world", "save_tp", "save_pp", "load_world", "load_tp", "load_pp"),
+    [
+        (2, 2, 1, 1, 1, 1),
+        (1, 1, 1, 2, 2, 1),
+        (2, 1, 1, 1, 1, 1),
+        (2, 1, 2, 1, 1, 1),
+    ],
+    ids=["tp2-to-tp1", "tp1-to-tp2", "dp2-to-dp1", "pp2-to-pp1"],
 )
 def test_reshard_restores_identical_weights_and_optimizer_moments(
-    tmp_path: Path, save_world: int, save_tp: int, load_world: int, load_tp: int
+    tmp_path: Path,
+    save_world: int,
+    save_tp: int,
+    save_pp: int,
+    load_world: int,
+    load_tp: int,
+    load_pp: int,
 ) -> None:
     step_dir = str(tmp_path / "global_step_2")
-    saved = run_distributed(_train_and_save, save_world, step_dir, save_tp, timeout=200)[0]
-    loaded = run_distributed(_load_and_continue, load_world, step_dir, load_tp, timeout=200)
+    saved = run_distributed(_train_and_save, save_world, step_dir, save_tp, save_pp, timeout=200)[0]
+    loaded = run_distributed(
+        _load_and_continue, load_world, step_dir, load_tp, load_pp, timeout=200
+    )
 
     assert any(".exp_avg_sq." in k for k in saved["optim"])
     for r in loaded:
@@ -97,7 +115,7 @@ def _validate_from_weights_only(rank: int, world_size: int, step_dir: str) -> di
 
 def test_validate_loads_weights_without_reading_the_optimizer(tmp_path: Path) -> None:
     step_dir = str(tmp_path / "global_step_2")
-    saved = run_distributed(_train_and_save, 2, step_dir, 2, timeout=200)[0]
+    saved = run_distributed(_train_and_save, 2, step_dir, 2, 1, timeout=200)[0]
     results = run_distributed(_validate_from_weights_only, 2, step_dir, timeout=200)
     assert not (tmp_path / "global_step_2" / "optim").exists()
     for r in results:

@@ -1,7 +1,8 @@
 """Megatron-Core distributed checkpointing for PyTorch Lightning.
 
 ``MegatronStrategy`` runs Megatron-Core tensor/pipeline/data parallelism inside a Lightning
-``Trainer`` and writes reshardable Megatron-Core dist-checkpoints.
+``Trainer`` and writes reshardable Megatron-Core dist-checkpoints; ``MegatronCheckpoint`` decides
+when to save, commits each step, keeps the right ones and resumes exactly from ``"last"``.
 
 Heavy dependencies (Megatron-Core, Lightning) are imported on first use of a public name, so
 ``import lightning_mcore_ckpt`` is instant and silent.
@@ -15,12 +16,23 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt._version import __version__
 
 if TYPE_CHECKING:
+    from lightning_mcore_ckpt.callback import MegatronCheckpoint
+    from lightning_mcore_ckpt.sampler import ElasticSampler
     from lightning_mcore_ckpt.strategy import CheckpointSaveError, MegatronStrategy, SaveOptions
 
-__all__ = ["CheckpointSaveError", "MegatronStrategy", "SaveOptions", "__version__"]
+__all__ = [
+    "CheckpointSaveError",
+    "ElasticSampler",
+    "MegatronCheckpoint",
+    "MegatronStrategy",
+    "SaveOptions",
+    "__version__",
+]
 
 _LAZY = {
     "CheckpointSaveError": "lightning_mcore_ckpt.strategy",
+    "ElasticSampler": "lightning_mcore_ckpt.sampler",
+    "MegatronCheckpoint": "lightning_mcore_ckpt.callback",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",
     "SaveOptions": "lightning_mcore_ckpt.strategy",
 }

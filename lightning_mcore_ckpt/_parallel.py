@@ -40,7 +40,6 @@ def initialize(
     seeded per tensor-parallel rank exactly as Megatron-LM does it.
     """
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     _cpu.install()
     if not dist.is_initialized():
@@ -67,7 +66,7 @@ def initialize(
         expert_model_parallel_size=expert_model_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
-    model_parallel_cuda_manual_seed(seed)
+    seed_all(seed)
     log.debug(
         "rank %d: TP=%d PP=%d CP=%d EP=%d DP=%d",
         dist.get_rank(),
@@ -77,6 +76,25 @@ def initialize(
         expert_model_parallel_size,
         parallel_state.get_data_parallel_world_size(),
     )
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy, torch (CPU and CUDA) and Megatron's RNG tracker for this rank.
+
+    As in Megatron-LM, the seed is offset by ``100 x`` the pipeline stage, and the tracker's
+    tensor-parallel stream differs per tensor-parallel rank.
+    """
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy() -> None:

@@ -28,7 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _cpu, _optim, _parallel
+from lightning_mcore_ckpt import _cpu, _optim, _parallel, layout
 from lightning_mcore_ckpt._rng import RNGState
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ OPTIM_DIR = "optim"
 EXTRA_DIR = "extra"
 CONTENTS = ("model", "optimizer", "extra")
 EXTRA_FORMAT_VERSION = 1
+LOADED_FROM_KEY = "lightning_mcore_ckpt"
+"""Key of the checkpoint dict ``load_checkpoint`` returns that says where it came from and the
+parallel layout that saved it (callbacks read it in ``on_load_checkpoint``)."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -184,6 +187,7 @@ class MegatronStrategy(ParallelStrategy):
         self._async_queue: Any = None
         self._pending: _PendingSave | None = None
         self._schedule_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
+        self._rng_at_load: dict[str, Any] | None = None
 
     # --- topology -------------------------------------------------------------------------
 
@@ -211,6 +215,12 @@ class MegatronStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         # Lightning asks custom strategies this to decide whether to inject a DistributedSampler
         # (keyed by distributed_sampler_kwargs: the data-parallel rank, not the global rank).
+        # With one data-parallel rank there is nothing to split, and the loader's own sampler
+        # (e.g. torchdata's stateful RandomSampler, which saves its generator) is kept as is.
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return bool(parallel_state.get_data_parallel_world_size() > 1)
         return True
 
     @property
@@ -824,6 +834,12 @@ class MegatronStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._rng_at_load is not None:
+            state, self._rng_at_load = self._rng_at_load, None
+            if batch_idx > 0:
+                # Resumed inside an epoch: undo the draws made since the load (the loader's new
+                # iterator), so the next batch sees the RNG exactly as the uninterrupted run.
+                RNGState().load_state_dict(state)
         if self._pending is not None:
             self.finalize_pending_save(blocking=False)
 
@@ -845,7 +861,18 @@ class MegatronStrategy(ParallelStrategy):
         """
         from megatron.core import dist_checkpointing
 
-        path = Path(self.broadcast(str(checkpoint_path)))
+        problem = resolved = None
+        if self.global_rank == 0:
+            try:
+                resolved = str(layout.resolve_checkpoint(checkpoint_path))
+            except FileNotFoundError as err:
+                problem = str(err)
+        resolved, problem = self.broadcast((resolved, problem))
+        if problem is not None:
+            raise FileNotFoundError(problem)
+        path = Path(resolved)
+        if self.global_rank == 0 and str(path) != str(checkpoint_path):
+            log.info("resuming from %s", path)
         if not (path / MODEL_DIR).is_dir():
             raise FileNotFoundError(
                 f"{path} is not a lightning-mcore-ckpt step directory: it has no {MODEL_DIR}/ "
@@ -895,19 +922,31 @@ class MegatronStrategy(ParallelStrategy):
         first = directory / "rank_00000.pt"
         source = own if own.is_file() else first
         payload = torch.load(source, map_location="cpu", weights_only=False)
-        same_layout = payload.get("parallel_layout") == self.parallel_layout()
-        if same_layout and source == own:
+        saved_layout = payload.get("parallel_layout")
+        lightning = dict(payload.get("lightning", {}))
+        if saved_layout == self.parallel_layout() and source == own:
             RNGState().load_state_dict(payload.get("rng", {}))
         else:
+            step = int(lightning.get("global_step", 0))
             if self.global_rank == 0:
                 log.warning(
-                    "parallel layout changed since the save (%s -> %s): RNG is re-derived from "
-                    "seed=%d per rank instead of restored",
-                    payload.get("parallel_layout"),
+                    "parallel layout changed since the save (%s -> %s): RNG is re-derived per "
+                    "rank from seed=%d + global_step=%d instead of restored",
+                    saved_layout,
                     self.parallel_layout(),
                     self.seed,
+                    step,
                 )
-        return dict(payload.get("lightning", {}))
+            _parallel.seed_all(self.seed + step)
+        # Creating the resumed dataloader's iterator draws from the global RNG, which the
+        # uninterrupted run did at the start of the epoch: re-apply this state at the first
+        # resumed batch when it falls inside an epoch (see on_train_batch_start).
+        self._rng_at_load = RNGState().state_dict()
+        lightning[LOADED_FROM_KEY] = {
+            "path": str(directory.parent),
+            "parallel_layout": saved_layout,
+        }
+        return lightning
 
     # --- checkpoint: remove, teardown -----------------------------------------------------
 

@@ -10,17 +10,16 @@ import torch
 def make_trainer(max_steps: int, strategy: Any, devices: int, **kwargs: Any) -> Any:
     import lightning.pytorch as pl
 
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=max_steps,
+    options: dict[str, Any] = dict(
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **kwargs,
+    )
+    options.update(kwargs)
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, **options
     )
 
 

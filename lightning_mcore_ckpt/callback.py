@@ -1,0 +1,465 @@
+"""``MegatronCheckpoint``: when to save, what goes in, how a step commits, what is deleted."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from lightning_mcore_ckpt import _version, layout
+from lightning_mcore_ckpt.strategy import LOADED_FROM_KEY, MegatronStrategy, SaveOptions
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["SAVE_CONTENTS", "MegatronCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+"""Names accepted in ``save_contents``."""
+
+# Lightning's own message when "last" finds nothing suggests ModelCheckpoint(save_last=True),
+# which is wrong here: the callback logs one line of its own instead.
+warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"MegatronCheckpoint({name}={value!r}): must be a positive int or None (disabled)"
+        )
+
+
+class MegatronCheckpoint(ModelCheckpoint):
+    """Save Megatron-Core distributed checkpoints on a cadence, commit them, keep the right ones.
+
+    Each save writes ``<dirpath>/global_step_<N>/`` through
+    :class:`~lightning_mcore_ckpt.MegatronStrategy` (``model/``, ``optim/``, ``extra/``), then
+    commits it: ``metadata.json`` is written last, atomically, once every rank has finished (for
+    an async save: once the background write is finalised); only then is
+    ``latest_checkpointed_iteration.txt`` updated and does retention run.
+    ``trainer.fit(ckpt_path="last")`` resumes from the newest complete step, or starts from
+    scratch, with one log line, when there is none.
+
+    Args:
+        dirpath: the directory of this run's steps.
+        every_n_train_steps: save every N optimizer steps.
+        train_time_interval: save when this much wall time passed since the last save (decided
+            on rank 0 and broadcast, so every rank saves at the same step).
+        every_n_epochs: save at the end of every N-th epoch (after validation when it runs).
+            With no cadence at all, the default is every epoch, as in Lightning.
+        save_contents: what each step holds: ``"model"`` (sharded weights), ``"optimizer"``
+            (sharded optimizer state; LR schedulers are in Lightning's state), ``"extra"`` (RNG,
+            every rank's dataloader state, loops and callbacks), ``"hf_model"`` (a Hugging Face
+            copy of the weights, with ``hf_export``).
+        max_to_keep: keep the newest N complete steps (``None``: keep all).
+        monitor: a logged metric to rank steps by; the best ``save_top_k`` steps (by ``mode``)
+            are kept on top of the newest ``max_to_keep``. Values are read back from each step's
+            ``metadata.json``, so ranking survives restarts.
+        save_top_k: how many of the best steps by ``monitor`` to keep (``-1``: all).
+        mode: ``"min"`` or ``"max"``.
+        save_last: also save the final step when ``fit`` ends, if the cadence did not.
+        hf_export: Hugging Face export settings (required for ``"hf_model"``).
+        restore_dataloader: restore every rank's dataloader position on resume. A resume with a
+            different data-parallel size is refused unless the loader uses
+            :class:`~lightning_mcore_ckpt.ElasticSampler`, or this is ``False`` (the epoch's
+            data order then restarts).
+
+    Example::
+
+        trainer = L.Trainer(
+            strategy=MegatronStrategy(tensor_model_parallel_size=2),
+            callbacks=[MegatronCheckpoint("checkpoints/run", every_n_train_steps=500,
+                                          max_to_keep=3)],
+        )
+        trainer.fit(module, datamodule=dm, ckpt_path="last")
+    """
+
+    FILE_EXTENSION = ""
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        every_n_train_steps: int | None = None,
+        train_time_interval: datetime.timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_contents: Sequence[str] = ("model", "optimizer", "extra"),
+        max_to_keep: int | None = None,
+        monitor: str | None = None,
+        save_top_k: int = 1,
+        mode: str = "min",
+        save_last: bool = True,
+        hf_export: Any | None = None,
+        restore_dataloader: bool = True,
+    ) -> None:
+        if not isinstance(dirpath, str | os.PathLike) or not str(dirpath):
+            raise ValueError(
+                f"MegatronCheckpoint(dirpath={dirpath!r}): pass the directory for this run's "
+                "checkpoints (a str or path)"
+            )
+        root = Path(dirpath).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ValueError(
+                f"MegatronCheckpoint(dirpath={str(dirpath)!r}): it is a file, not a directory; "
+                "pass a directory (it is created if missing)"
+            )
+        _check_positive_int("every_n_train_steps", every_n_train_steps)
+        _check_positive_int("every_n_epochs", every_n_epochs)
+        _check_positive_int("max_to_keep", max_to_keep)
+        if train_time_interval is not None and (
+            not isinstance(train_time_interval, datetime.timedelta)
+            or train_time_interval.total_seconds() <= 0
+        ):
+            raise ValueError(
+                f"MegatronCheckpoint(train_time_interval={train_time_interval!r}): must be a "
+                "positive datetime.timedelta or None"
+            )
+        cadences = [
+            name
+            for name, value in (
+                ("every_n_train_steps", every_n_train_steps),
+                ("train_time_interval", train_time_interval),
+                ("every_n_epochs", every_n_epochs),
+            )
+            if value is not None
+        ]
+        if len(cadences) > 1:
+            raise ValueError(
+                f"MegatronCheckpoint: {' and '.join(cadences)} are both set, but a run saves on "
+                "one cadence; keep one of them (use two callbacks with different dirpaths for two "
+                "cadences)"
+            )
+        if isinstance(save_contents, str) or not isinstance(save_contents, Sequence):
+            raise ValueError(
+                f"MegatronCheckpoint(save_contents={save_contents!r}): pass a list of names "
+                f"from {SAVE_CONTENTS}, e.g. ['model', 'optimizer', 'extra']"
+            )
+        unknown = [c for c in save_contents if c not in SAVE_CONTENTS]
+        if unknown:
+            raise ValueError(
+                f"MegatronCheckpoint(save_contents={list(save_contents)!r}): unknown "
+                f"{unknown}; choose from {list(SAVE_CONTENTS)}"
+            )
+        if len(set(save_contents)) != len(save_contents):
+            raise ValueError(
+                f"MegatronCheckpoint(save_contents={list(save_contents)!r}): names repeat; "
+                "list each once"
+            )
+        if "model" not in save_contents:
+            raise ValueError(
+                f"MegatronCheckpoint(save_contents={list(save_contents)!r}): 'model' is "
+                "required (a step without weights can be neither resumed nor exported)"
+            )
+        if "hf_model" in save_contents and hf_export is None:
+            raise ValueError(
+                f"MegatronCheckpoint(save_contents={list(save_contents)!r}): 'hf_model' needs "
+                "hf_export=HFExport(hf_model_path=...) to know the Hugging Face model to mirror"
+            )
+        if hf_export is not None:
+            raise NotImplementedError(
+                "MegatronCheckpoint(hf_export=...): Hugging Face export is not available in "
+                "this version; remove hf_export and 'hf_model'"
+            )
+        if mode not in ("min", "max"):
+            raise ValueError(f"MegatronCheckpoint(mode={mode!r}): use 'min' or 'max'")
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(
+                f"MegatronCheckpoint(save_top_k={save_top_k!r}): use an int >= 0, or -1 for all"
+            )
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise ValueError(
+                f"MegatronCheckpoint(monitor={monitor!r}): the name of a logged metric, or None"
+            )
+        if not isinstance(save_last, bool):
+            raise ValueError(f"MegatronCheckpoint(save_last={save_last!r}): must be True/False")
+        if not isinstance(restore_dataloader, bool):
+            raise ValueError(
+                f"MegatronCheckpoint(restore_dataloader={restore_dataloader!r}): must be True/False"
+            )
+        super().__init__(
+            dirpath=root,
+            monitor=monitor,
+            save_last=False,
+            save_top_k=-1,
+            mode=mode,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            enable_version_counter=False,
+        )
+        self.dirpath: Path = root  # type: ignore[assignment]
+        self.save_contents = tuple(save_contents)
+        self.max_to_keep = max_to_keep
+        self.keep_top_k = save_top_k
+        self.save_final = save_last
+        self.hf_export = hf_export
+        self.restore_dataloader = restore_dataloader
+        self._resumed_step: int | None = None
+        self.last_committed: dict[str, Any] | None = None
+
+    # --- identity, state ------------------------------------------------------------------
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=str(self.dirpath))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "dirpath": str(self.dirpath),
+            "last_global_step_saved": self._last_global_step_saved,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_global_step_saved = int(state_dict.get("last_global_step_saved", 0))
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not isinstance(trainer.strategy, MegatronStrategy):
+            raise TypeError(
+                f"MegatronCheckpoint needs Trainer(strategy=MegatronStrategy(...)), got "
+                f"{type(trainer.strategy).__name__}"
+            )
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+        trainer.strategy.barrier("MegatronCheckpoint.setup")
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        source = checkpoint.get(LOADED_FROM_KEY) or {}
+        name = Path(source.get("path", "")).name
+        if name.startswith("global_step_") and name[len("global_step_") :].isdigit():
+            self._resumed_step = int(name[len("global_step_") :])
+        saved = source.get("parallel_layout") or {}
+        strategy = trainer.strategy
+        assert isinstance(strategy, MegatronStrategy)
+        saved_dp = saved.get("data_parallel_size")
+        current_dp = strategy.parallel_layout()["data_parallel_size"]
+        if saved_dp is None or saved_dp == current_dp:
+            return
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        loader_states = fit_state.get("combined_loader") or []
+        if not loader_states:
+            return
+        if not self.restore_dataloader:
+            fit_state["combined_loader"] = []
+            log.warning(
+                "data-parallel size changed (%s -> %s): dataloader state not restored "
+                "(restore_dataloader=False); the epoch's data order restarts",
+                saved_dp,
+                current_dp,
+            )
+            return
+        from lightning_mcore_ckpt.sampler import is_elastic_state
+
+        if not all(is_elastic_state(s) for s in loader_states):
+            raise ValueError(
+                f"checkpoint {source.get('path')} was saved with data-parallel size {saved_dp}, "
+                f"this run has {current_dp}: its dataloader positions are per rank and cannot "
+                "be mapped. Use lightning_mcore_ckpt.ElasticSampler (continues at the exact next "
+                "global sample), or MegatronCheckpoint(restore_dataloader=False) to restart the "
+                "epoch's data order"
+            )
+
+    # --- cadence --------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        due = (
+            self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+        )
+        if self._train_time_interval is not None:
+            now = time.monotonic()
+            elapsed = now - (self._last_time_checked or now)
+            due_time = bool(
+                trainer.strategy.broadcast(elapsed >= self._train_time_interval.total_seconds())
+            )
+            if due_time:
+                self._last_time_checked = now
+                due = True
+        if due:
+            self._save_step(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_time_checked = time.monotonic()
+
+    @override
+    def _save_topk_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    ) -> None:
+        # Lightning's epoch-end and validation-end hooks land here.
+        self._save_step(trainer, monitor_candidates)
+
+    @override
+    def _save_last_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    ) -> None:
+        # "last" is the tracker file, updated at every commit.
+        return None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if (
+            self.save_final
+            and trainer.global_step > 0
+            and not getattr(trainer, "fast_dev_run", False)
+            and self._last_global_step_saved != trainer.global_step
+        ):
+            self._save_step(trainer, self._monitor_candidates(trainer))
+        strategy = trainer.strategy
+        assert isinstance(strategy, MegatronStrategy)
+        strategy.finalize_pending_save(blocking=True)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        return None
+
+    # --- "last" ---------------------------------------------------------------------------
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        newest = layout.resolve_last(self.dirpath)
+        if newest is None:
+            if trainer.is_global_zero:
+                log.warning(
+                    'ckpt_path="last": no complete checkpoint in %s, starting from scratch',
+                    self.dirpath,
+                )
+            return set()
+        return {str(newest)}
+
+    # --- save and commit ------------------------------------------------------------------
+
+    def _save_step(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        step = trainer.global_step
+        if step == self._last_global_step_saved and step != 0:
+            return
+        self._last_global_step_saved = step
+        target = layout.step_dir(self.dirpath, step)
+        strategy = trainer.strategy
+        assert isinstance(strategy, MegatronStrategy)
+        # A save still in flight commits first, so the state of the directory is settled.
+        strategy.finalize_pending_save(blocking=True)
+        decision = None
+        if trainer.is_global_zero:
+            if layout.is_complete(target):
+                decision = "exists"
+            elif target.exists():
+                # Left by a crashed save of this same step: it never committed.
+                log.warning("removing incomplete %s before saving it again", target)
+                layout.remove_step(target)
+        decision = strategy.broadcast(decision)
+        if decision == "exists":
+            log.info("%s is already complete; not saving it again", target)
+            return
+        monitor = None
+        if self.monitor is not None and self.monitor in monitor_candidates:
+            value = monitor_candidates[self.monitor]
+            value = float(value.item() if isinstance(value, torch.Tensor) else value)
+            monitor = {"name": self.monitor, "value": value if math.isfinite(value) else None}
+        metadata = {
+            "format_version": layout.METADATA_FORMAT_VERSION,
+            "global_step": step,
+            "epoch": trainer.current_epoch,
+            "contents": list(self.save_contents),
+            "monitor": monitor,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "host": socket.gethostname(),
+            "versions": _versions(),
+        }
+        contents = [c for c in self.save_contents if c != "hf_model"]
+
+        def commit(record: dict[str, Any]) -> None:
+            self._commit(trainer, target, metadata, record)
+
+        trainer.save_checkpoint(
+            target, storage_options=SaveOptions(contents=contents, on_finalized=[commit])
+        )
+
+    def _commit(
+        self,
+        trainer: pl.Trainer,
+        target: Path,
+        metadata: dict[str, Any],
+        record: dict[str, Any],
+    ) -> None:
+        metadata = dict(metadata)
+        metadata.update(
+            {
+                "async": record["async"],
+                "parallel_layout": record["parallel_layout"],
+                "blocking_time_s": record["blocking_time_s"],
+                "total_time_s": record["total_time_s"],
+            }
+        )
+        if trainer.is_global_zero:
+            layout.write_json_atomic(target / layout.METADATA_FILE, metadata)
+            layout.write_tracker(self.dirpath, metadata["global_step"])
+            self._apply_retention(metadata["global_step"])
+        self.last_committed = metadata
+        log.info("committed %s", target)
+
+    def _apply_retention(self, committed: int) -> None:
+        # Rank 0 only, after the commit. Scans the directory: nothing is kept only in memory.
+        for stale in layout.incomplete_steps(self.dirpath):
+            if stale.step < committed:
+                log.info("removing incomplete %s (a newer step is committed)", stale.path)
+                layout.remove_step(stale.path)
+        protect = {committed}
+        if self._resumed_step is not None:
+            newest = layout.complete_steps(self.dirpath)
+            if newest and newest[-1].step == self._resumed_step:
+                protect.add(self._resumed_step)
+        doomed = layout.retention_plan(
+            layout.complete_steps(self.dirpath),
+            max_to_keep=self.max_to_keep,
+            monitor=self.monitor,
+            save_top_k=self.keep_top_k,
+            mode=self.mode,
+            protect=protect,
+        )
+        for old in doomed:
+            log.info("retention: removing %s", old.path)
+            layout.remove_step(old.path)
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import megatron.core
+
+    return {
+        "lightning_mcore_ckpt": _version.__version__,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "megatron_core": getattr(megatron.core, "__version__", "unknown"),
+    }

@@ -215,12 +215,17 @@ class MegatronStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         # Lightning asks custom strategies this to decide whether to inject a DistributedSampler
         # (keyed by distributed_sampler_kwargs: the data-parallel rank, not the global rank).
-        # With one data-parallel rank there is nothing to split, and the loader's own sampler
-        # (e.g. torchdata's stateful RandomSampler, which saves its generator) is kept as is.
+        # With one data-parallel rank and one pipeline stage there is nothing to split, and the
+        # loader's own sampler (e.g. torchdata's stateful RandomSampler, which saves its
+        # generator) is kept as is. Pipeline stages are seeded differently (as in Megatron-LM),
+        # so with PP > 1 a seeded DistributedSampler keeps every stage on the same batch.
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
-            return bool(parallel_state.get_data_parallel_world_size() > 1)
+            return bool(
+                parallel_state.get_data_parallel_world_size() > 1
+                or parallel_state.get_pipeline_model_parallel_world_size() > 1
+            )
         return True
 
     @property

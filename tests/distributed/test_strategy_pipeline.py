@@ -56,7 +56,7 @@ def _same_init_for_every_layout() -> object:
 
 
 def _train(rank: int, world_size: int, tp: int, pp: int) -> dict[str, object]:
-    from _trainer import gathered_weights, loader, make_trainer
+    from _trainer import gathered_weights, make_trainer
 
     from lightning_mcore_ckpt import MegatronStrategy
     from lightning_mcore_ckpt.tiny import TinyGPTModule
@@ -71,7 +71,15 @@ def _train(rank: int, world_size: int, tp: int, pp: int) -> dict[str, object]:
         gradient_clip_val=CLIP,
         callbacks=[same_init],
     )
-    trainer.fit(module, train_dataloaders=loader(32, 4, shuffle=True))
+    from torch.utils.data import DataLoader
+
+    from lightning_mcore_ckpt import ElasticSampler
+    from lightning_mcore_ckpt.tiny import TokenDataset
+
+    # The same shuffled order in every layout.
+    dataset = TokenDataset(32)
+    sampler = ElasticSampler(dataset, micro_batch_size=4, seed=0)
+    trainer.fit(module, train_dataloaders=DataLoader(dataset, batch_size=4, sampler=sampler))
     return {
         "losses": module.step_losses,
         "weights": gathered_weights(trainer),

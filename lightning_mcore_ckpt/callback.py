@@ -308,10 +308,6 @@ class MegatronCheckpoint(ModelCheckpoint):
             self._save_step(trainer, self._monitor_candidates(trainer))
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_time_checked = time.monotonic()
-
-    @override
     def _save_topk_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
     ) -> None:

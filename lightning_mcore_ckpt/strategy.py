@@ -972,6 +972,8 @@ class MegatronStrategy(ParallelStrategy):
         if self._async_queue is not None:
             self._async_queue.close()
             self._async_queue = None
+        # A load whose run never reached a training batch must not reach into the next run.
+        self._rng_at_load = None
         # Parallel state stays up so that the model can still be used (and saved) after fit;
         # the next strategy to set up re-initialises it.
         super().teardown()

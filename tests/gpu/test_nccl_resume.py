@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
+from _marks import TWO_GPUS
 
 from lightning_mcore_ckpt.testing import run_distributed
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+pytestmark = TWO_GPUS
 
 
 def _train_save_resume(rank: int, world_size: int, tmp: str) -> dict[str, object]:

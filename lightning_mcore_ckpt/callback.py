@@ -10,6 +10,7 @@ import socket
 import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +18,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _version, layout
-from lightning_mcore_ckpt.strategy import LOADED_FROM_KEY, MegatronStrategy, SaveOptions
+from lightning_mcore_ckpt import _version, layout, metrics
+from lightning_mcore_ckpt.strategy import (
+    LOADED_FROM_KEY,
+    CheckpointSaveError,
+    MegatronStrategy,
+    SaveOptions,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,6 +60,12 @@ class MegatronCheckpoint(ModelCheckpoint):
     ``latest_checkpointed_iteration.txt`` updated and does retention run.
     ``trainer.fit(ckpt_path="last")`` resumes from the newest complete step, or starts from
     scratch, with one log line, when there is none.
+
+    What each save cost is logged to every attached Lightning logger at the step of the save
+    (``checkpoint/blocking_time_s``, ``total_time_s``, ``write_time_s``, ``size_bytes``,
+    ``throughput_gbps``, ``hf_export_time_s``; see :mod:`lightning_mcore_ckpt.metrics`) and
+    recorded in the step's ``metadata.json``. Rank 0 measures the step's size and commits it on a
+    background thread, so neither the measurement nor retention stalls training.
 
     Args:
         dirpath: the directory of this run's steps.
@@ -209,7 +221,10 @@ class MegatronCheckpoint(ModelCheckpoint):
         self.hf_export = hf_export
         self.restore_dataloader = restore_dataloader
         self._resumed_step: int | None = None
-        self.last_committed: dict[str, Any] | None = None
+        # Rank 0: commits run in order on one background thread; their figures are logged from
+        # the training thread when they are done.
+        self._committer: ThreadPoolExecutor | None = None
+        self._commits: list[tuple[Path, Future[dict[str, Any]]]] = []
 
     # --- identity, state ------------------------------------------------------------------
 
@@ -238,7 +253,14 @@ class MegatronCheckpoint(ModelCheckpoint):
             )
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
+            metrics.define_wandb_metrics(trainer.loggers)
         trainer.strategy.barrier("MegatronCheckpoint.setup")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
 
     @override
     def on_load_checkpoint(
@@ -290,6 +312,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._log_commits(trainer, wait=False)
         if self._should_skip_saving_checkpoint(trainer):
             return
         due = (
@@ -333,12 +356,17 @@ class MegatronCheckpoint(ModelCheckpoint):
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
         strategy.finalize_pending_save(blocking=True)
+        self._log_commits(trainer, wait=True)
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        return None
+        # A step whose write finished still commits; the run's own error is the one raised.
+        try:
+            self._log_commits(trainer, wait=True)
+        except Exception as err:  # noqa: BLE001 - reported, the original exception propagates
+            log.error("while handling %r: %s", exception, err)
 
     # --- "last" ---------------------------------------------------------------------------
 
@@ -366,6 +394,8 @@ class MegatronCheckpoint(ModelCheckpoint):
         assert isinstance(strategy, MegatronStrategy)
         # A save still in flight commits first, so the state of the directory is settled.
         strategy.finalize_pending_save(blocking=True)
+        self._log_commits(trainer, wait=True)
+        started = time.perf_counter()
         decision = None
         if trainer.is_global_zero:
             if layout.is_complete(target):
@@ -399,7 +429,10 @@ class MegatronCheckpoint(ModelCheckpoint):
             self._commit(trainer, target, metadata, record)
 
         trainer.save_checkpoint(
-            target, storage_options=SaveOptions(contents=contents, on_finalized=[commit])
+            target,
+            storage_options=SaveOptions(
+                contents=contents, on_finalized=[commit], started_at=started
+            ),
         )
 
     def _commit(
@@ -409,21 +442,64 @@ class MegatronCheckpoint(ModelCheckpoint):
         metadata: dict[str, Any],
         record: dict[str, Any],
     ) -> None:
+        # Every rank, once the save is durable everywhere. Rank 0 commits in the background.
+        if not trainer.is_global_zero:
+            return
         metadata = dict(metadata)
         metadata.update(
             {
                 "async": record["async"],
                 "parallel_layout": record["parallel_layout"],
                 "blocking_time_s": record["blocking_time_s"],
-                "total_time_s": record["total_time_s"],
+                "write_time_s": record["write_time_s"],
+                "hf_export_time_s": record.get("hf_export_time_s"),
             }
         )
-        if trainer.is_global_zero:
-            layout.write_json_atomic(target / layout.METADATA_FILE, metadata)
-            layout.write_tracker(self.dirpath, metadata["global_step"])
+        # Total time: until durable on every rank, then until committed here.
+        started = record["finalized_at"] - record["total_time_s"]
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
+        self._commits.append(
+            (target, self._committer.submit(self._commit_in_background, target, metadata, started))
+        )
+
+    def _commit_in_background(
+        self, target: Path, metadata: dict[str, Any], started: float
+    ) -> dict[str, Any]:
+        # Measure, then write metadata.json (the commit), then the tracker, then retention.
+        data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
+        metadata["total_time_s"] = time.perf_counter() - started
+        text, metadata = metrics.encode_metadata(metadata, data_bytes)
+        layout.write_text_atomic(target / layout.METADATA_FILE, text)
+        layout.write_tracker(self.dirpath, metadata["global_step"])
+        log.info(
+            "committed %s: %.3f GB, blocked training %.3fs, %.3fs in all",
+            target,
+            metadata["size_bytes"] / 1e9,
+            metadata["blocking_time_s"],
+            metadata["total_time_s"],
+        )
+        try:
             self._apply_retention(metadata["global_step"])
-        self.last_committed = metadata
-        log.info("committed %s", target)
+        except Exception as err:
+            raise RuntimeError(f"{target} is committed, but retention failed: {err}") from err
+        return metadata
+
+    def _log_commits(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Log the figures of finished commits, in order (rank 0; others have none).
+
+        With ``wait=True``, wait for every commit in flight first. A commit that failed is raised
+        here, on the training thread, as :class:`CheckpointSaveError`.
+        """
+        while self._commits and (wait or self._commits[0][1].done()):
+            target, future = self._commits.pop(0)
+            try:
+                metadata = future.result()
+            except Exception as err:
+                raise CheckpointSaveError(f"committing {target} failed: {err}") from err
+            metrics.log_save_metrics(
+                trainer.loggers, metadata["global_step"], metrics.save_metrics(metadata)
+            )
 
     def _apply_retention(self, committed: int) -> None:
         # Rank 0 only, after the commit. Scans the directory: nothing is kept only in memory.

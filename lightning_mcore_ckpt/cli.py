@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning_mcore_ckpt._version import __version__
 
@@ -23,8 +24,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"lightning-mcore-ckpt {__version__}"
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    report = commands.add_parser(
+        "report",
+        help="list a run's checkpoints: size, save times, throughput, parallel layout",
+        description=(
+            "Print a table of the complete steps of a MegatronCheckpoint directory (step, time "
+            "of save, contents, size, training-blocked and total save time, throughput, "
+            "parallel layout), then the steps that never committed."
+        ),
+    )
+    report.add_argument("dirpath", help="the MegatronCheckpoint dirpath (holds global_step_<N>/)")
+    report.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw save time and size against step into this image (needs matplotlib)",
+    )
     return parser
+
+
+def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_mcore_ckpt import report
+
+    if args.plot is not None and not Path(args.plot).expanduser().parent.is_dir():
+        parser.error(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
+    try:
+        result = report.collect(args.dirpath)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    print(report.format_table(result))
+    if args.plot is not None:
+        try:
+            report.plot(result, Path(args.plot).expanduser())
+        except (RuntimeError, ValueError) as err:
+            print(f"lightning-mcore-ckpt: error: {err}", file=sys.stderr)
+            return 1
+        print(f"plot written to {args.plot}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    if args.command == "report":
+        return _report(args, parser)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover
 
 
 if __name__ == "__main__":

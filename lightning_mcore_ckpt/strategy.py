@@ -67,7 +67,11 @@ class SaveOptions:
     """Subset of ``("model", "optimizer", "extra")`` to write."""
     on_finalized: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
     """Called on every rank, in order, once the whole save is durable on all ranks, with the
-    save's record (path, sizes, timings). For an async save this happens at finalisation."""
+    save's record (path, layout, timings). For an async save this happens at finalisation."""
+    started_at: float | None = None
+    """``time.perf_counter()`` when the caller began this save's work on the training thread
+    (its own preparation then counts as blocking time). Default: when ``save_checkpoint``
+    starts."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.contents) - set(CONTENTS))
@@ -83,6 +87,8 @@ class _PendingSave:
     call_ids: list[int]
     record: dict[str, Any]
     on_finalized: list[Callable[[dict[str, Any]], None]]
+    write_timer: torch.Tensor
+    """Shared memory the background writer stores its write duration in."""
 
 
 def _check_size(name: str, value: Any) -> int:
@@ -715,7 +721,7 @@ class MegatronStrategy(ParallelStrategy):
                 "pass a lightning_mcore_ckpt.strategy.SaveOptions or None"
             )
         self.finalize_pending_save(blocking=True)
-        start = time.perf_counter()
+        start = time.perf_counter() if options.started_at is None else options.started_at
         path = Path(self.broadcast(str(filepath)))
         contents = list(options.contents)
         problem = None
@@ -740,13 +746,16 @@ class MegatronStrategy(ParallelStrategy):
         async_save = self.ckpt_async_save
         requests = []
         model_ssd = self.model_sharded_state_dict()
+        # Sync and async saves take the same path (as dist_checkpointing.save does internally):
+        # plan and stage here, write (inline or in the background), then finalise. So both
+        # measure the same phases.
         if "model" in contents:
             requests.append(
                 dist_checkpointing.save(
                     model_ssd,
                     str(path / MODEL_DIR),
                     sharded_strategy=self._save_strategy(),
-                    async_sharded_save=async_save,
+                    async_sharded_save=True,
                 )
             )
         if "optimizer" in contents and self.optimizers:
@@ -756,27 +765,37 @@ class MegatronStrategy(ParallelStrategy):
                     self._optimizer_sharded_state_dict(self.model_sharded_state_dict()),
                     str(path / OPTIM_DIR),
                     sharded_strategy=self._save_strategy(),
-                    async_sharded_save=async_save,
+                    async_sharded_save=True,
                 )
             )
+        write_timer = torch.zeros(1, dtype=torch.float64).share_memory_()
+        request = _combine_async_requests([r for r in requests if r is not None], write_timer)
+        extra_write_s = 0.0
         if "extra" in contents:
+            extra_start = time.perf_counter()
             self._save_extra(path / EXTRA_DIR, checkpoint)
-        blocking = time.perf_counter() - start
-        record = {
+            extra_write_s = time.perf_counter() - extra_start
+        record: dict[str, Any] = {
             "path": str(path),
             "contents": contents,
             "async": async_save,
-            "blocking_time_s": blocking,
-            "start_time": start,
             "parallel_layout": self.parallel_layout(),
+            "start_time": start,
+            "extra_write_s": extra_write_s,
         }
         if async_save:
-            request = _combine_async_requests([r for r in requests if r is not None])
             call_id = self._get_async_queue().schedule_async_request(request)
-            self._pending = _PendingSave(path, [call_id], record, list(options.on_finalized))
+            record["call_s"] = time.perf_counter() - start
+            self._pending = _PendingSave(
+                path, [call_id], record, list(options.on_finalized), write_timer
+            )
         else:
-            self.barrier()
-            self._complete(record, options.on_finalized)
+            _run_in_order(*request.async_fn_args)
+            self.barrier("save_checkpoint.write")
+            for finalize in request.finalize_fns:
+                finalize()
+            record["call_s"] = time.perf_counter() - start
+            self._complete(record, write_timer, options.on_finalized)
 
     def _save_extra(self, directory: Path, checkpoint: dict[str, Any]) -> None:
         payload = {
@@ -797,9 +816,28 @@ class MegatronStrategy(ParallelStrategy):
         tmp.replace(target)
 
     def _complete(
-        self, record: dict[str, Any], on_finalized: Sequence[Callable[[dict[str, Any]], None]]
+        self,
+        record: dict[str, Any],
+        write_timer: torch.Tensor,
+        on_finalized: Sequence[Callable[[dict[str, Any]], None]],
     ) -> None:
-        record["total_time_s"] = time.perf_counter() - record.pop("start_time")
+        # Collective (every rank finalises the same save at the same point): the job was
+        # blocked, and the write lasted, as long as on its slowest rank.
+        # The save's total time runs from the first rank's start (clocks of different hosts
+        # are not compared: each rank measures its own elapsed time).
+        now = time.perf_counter()
+        mine = [
+            record.pop("call_s") + record.pop("finalize_s", 0.0),
+            float(write_timer[0]) + record.pop("extra_write_s"),
+            now - record.pop("start_time"),
+        ]
+        slowest = torch.tensor(mine, dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        blocking, write, elapsed = (float(x) for x in slowest.cpu())
+        record["blocking_time_s"] = blocking
+        record["write_time_s"] = write
+        record["total_time_s"] = elapsed
+        record["finalized_at"] = now
         for fn in on_finalized:
             fn(record)
 
@@ -823,6 +861,8 @@ class MegatronStrategy(ParallelStrategy):
             return True
         from torch.distributed.checkpoint.api import CheckpointException
 
+        start = time.perf_counter()
+
         try:
             finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
@@ -834,7 +874,8 @@ class MegatronStrategy(ParallelStrategy):
         if pending.call_ids:
             return False
         self._pending = None
-        self._complete(pending.record, pending.on_finalized)
+        pending.record["finalize_s"] = time.perf_counter() - start
+        self._complete(pending.record, pending.write_timer, pending.on_finalized)
         return True
 
     @override
@@ -985,12 +1026,16 @@ class MegatronStrategy(ParallelStrategy):
 
 def _run_in_order(
     calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+    write_timer: torch.Tensor,
 ) -> None:
+    # Runs in the background writer process for an async save: write_timer is shared memory.
+    start = time.perf_counter()
     for fn, args, kwargs in calls:
         fn(*args, **kwargs)
+    write_timer[0] = time.perf_counter() - start
 
 
-def _combine_async_requests(requests: Sequence[Any]) -> Any:
+def _combine_async_requests(requests: Sequence[Any], write_timer: torch.Tensor) -> Any:
     """One async request that stages, writes and finalises ``requests`` in order.
 
     Megatron-Core's async writer returns its write results through one process-wide queue, so
@@ -1010,7 +1055,7 @@ def _combine_async_requests(requests: Sequence[Any]) -> Any:
         if req.async_fn is not None:
             calls.append((req.async_fn, tuple(args), dict(req.async_fn_kwargs)))
         finalize_fns.extend(req.finalize_fns)
-    return AsyncRequest(_run_in_order, (calls,), finalize_fns)
+    return AsyncRequest(_run_in_order, (calls, write_timer), finalize_fns)
 
 
 def _all_reduce_flat(

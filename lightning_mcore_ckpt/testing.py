@@ -32,11 +32,20 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DistributedFailure", "find_free_port", "gather_sharded", "run_distributed"]
+__all__ = [
+    "DistributedFailure",
+    "find_free_port",
+    "gather_sharded",
+    "read_wandb_history",
+    "read_wandb_metric_definitions",
+    "read_wandb_records",
+    "run_distributed",
+]
 
 # The ranks are forked from a server process that has already imported these, so a rank starts
 # in a fraction of a second instead of re-importing torch, Megatron-Core and Lightning.
@@ -229,3 +238,84 @@ def gather_sharded(sharded_state_dict: Mapping[str, Any], group: Any = None) -> 
                 region[frange.start : frange.stop] = data.flatten()
                 target[index] = region.reshape(target[index].shape)
     return full
+
+
+_WANDB_BLOCK = 32 * 1024
+_WANDB_HEADER = 7  # ":W&B", a 2-byte magic, a 1-byte version
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def read_wandb_records(path: str | os.PathLike[str]) -> list[Any]:
+    """The protobuf records of an offline W&B run file (``run-<id>.wandb``), in order.
+
+    The file is a LevelDB-style log: 32 KiB blocks of records, each a 7-byte header (crc32,
+    length, type: full, first, middle or last chunk) and its payload, after a 7-byte file
+    header. Each whole payload is a ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if not data.startswith(b":W&B"):
+        raise ValueError(f"{path} is not a W&B run file (no ':W&B' header)")
+    records: list[Any] = []
+    pos = _WANDB_HEADER
+    chunks: list[bytes] = []
+    while pos + 7 <= len(data):
+        left_in_block = _WANDB_BLOCK - pos % _WANDB_BLOCK
+        if left_in_block < 7:
+            pos += left_in_block  # block trailer: padding
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        payload = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue  # zero padding
+        if kind == _FULL:
+            chunks = [payload]
+        elif kind == _FIRST:
+            chunks = [payload]
+            continue
+        elif kind == _MIDDLE:
+            chunks.append(payload)
+            continue
+        elif kind == _LAST:
+            chunks.append(payload)
+        else:
+            raise ValueError(f"{path}: unknown record type {kind} at byte {pos}")
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(b"".join(chunks))
+        records.append(record)
+        chunks = []
+    return records
+
+
+def read_wandb_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The history rows (what ``run.log`` logged) of an offline W&B run file, in order."""
+    import json
+
+    rows = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row = {}
+        for item in record.history.item:
+            key = item.key or "/".join(item.nested_key)
+            row[key] = json.loads(item.value_json) if item.value_json else None
+        rows.append(row)
+    return rows
+
+
+def read_wandb_metric_definitions(path: str | os.PathLike[str]) -> list[dict[str, str]]:
+    """The ``define_metric`` declarations of an offline W&B run file: name or glob, step metric."""
+    out = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") == "metric":
+            out.append(
+                {
+                    "name": record.metric.name,
+                    "glob_name": record.metric.glob_name,
+                    "step_metric": record.metric.step_metric,
+                }
+            )
+    return out

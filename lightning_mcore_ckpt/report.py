@@ -1,0 +1,194 @@
+"""``lightning-mcore-ckpt report``: what every save of a run cost, read from ``metadata.json``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_mcore_ckpt import layout
+
+__all__ = ["Report", "collect", "format_table", "human_bytes", "plot"]
+
+_LAYOUT_KEYS = (
+    ("tp", "tensor_model_parallel_size"),
+    ("pp", "pipeline_model_parallel_size"),
+    ("cp", "context_parallel_size"),
+    ("ep", "expert_model_parallel_size"),
+    ("dp", "data_parallel_size"),
+)
+
+
+@dataclass
+class Report:
+    """The steps of one checkpoint directory."""
+
+    dirpath: Path
+    complete: list[dict[str, Any]]
+    """``metadata.json`` of every complete step, oldest first."""
+    incomplete: list[layout.StepDir]
+    """Step directories that never committed (crashed, or still being written)."""
+    last: int | None
+    """The step ``ckpt_path="last"`` resumes from."""
+
+
+def collect(dirpath: str | os.PathLike[str]) -> Report:
+    """Read the steps of ``dirpath`` (no checkpoint data is loaded)."""
+    root = Path(dirpath)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"report: {str(dirpath)!r} is not a directory; pass the dirpath of a "
+            "MegatronCheckpoint (the directory holding the global_step_<N> directories)"
+        )
+    complete = []
+    for step in layout.complete_steps(root):
+        metadata = layout.read_metadata(step.path) or {}
+        metadata.setdefault("global_step", step.step)
+        complete.append(metadata)
+    last = layout.resolve_last(root)
+    return Report(
+        dirpath=root,
+        complete=complete,
+        incomplete=layout.incomplete_steps(root),
+        last=None if last is None else _step_number(last),
+    )
+
+
+def _step_number(path: Path) -> int:
+    return int(path.name[len("global_step_") :])
+
+
+def human_bytes(num: Any) -> str:
+    """``num`` bytes for people: "1.3 MiB"."""
+    if not isinstance(num, int | float):
+        return "-"
+    value = float(num)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return "-"  # pragma: no cover
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "-"
+
+
+def _gbps(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, int | float) else "-"
+
+
+def _saved_at(value: Any) -> str:
+    try:
+        when = datetime.datetime.fromisoformat(str(value))
+    except ValueError:
+        return "-"
+    return when.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _layout(value: Any) -> str:
+    if not isinstance(value, Mapping):
+        return "-"
+    return " ".join(f"{short}{value[key]}" for short, key in _LAYOUT_KEYS if key in value)
+
+
+def format_table(report: Report) -> str:
+    """The report as a plain-text table, then the incomplete steps."""
+    header = (
+        "step",
+        "saved at (UTC)",
+        "contents",
+        "size",
+        "blocking s",
+        "total s",
+        "GB/s",
+        "mode",
+        "parallel layout",
+    )
+    rows: list[Sequence[str]] = []
+    for meta in report.complete:
+        step = meta.get("global_step")
+        mark = "*" if step == report.last else ""
+        rows.append(
+            (
+                f"{step}{mark}",
+                _saved_at(meta.get("saved_at")),
+                ",".join(meta.get("contents") or []) or "-",
+                human_bytes(meta.get("size_bytes")),
+                _seconds(meta.get("blocking_time_s")),
+                _seconds(meta.get("total_time_s")),
+                _gbps(meta.get("throughput_gbps")),
+                "async" if meta.get("async") else "sync",
+                _layout(meta.get("parallel_layout")),
+            )
+        )
+    lines = [f"{report.dirpath}: {len(report.complete)} complete step(s)"]
+    if rows:
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        numeric = {0, 3, 4, 5, 6}
+
+        def fmt(row: Sequence[str]) -> str:
+            cells = [
+                cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
+                for i, cell in enumerate(row)
+            ]
+            return "  ".join(cells).rstrip()
+
+        lines.append(fmt(header))
+        lines.append("  ".join("-" * w for w in widths))
+        lines.extend(fmt(r) for r in rows)
+        if report.last is not None:
+            lines.append('* "last": what trainer.fit(ckpt_path="last") resumes from')
+    if report.incomplete:
+        names = ", ".join(s.path.name for s in report.incomplete)
+        lines.append(f"incomplete (never committed, not resumable): {names}")
+    return "\n".join(lines)
+
+
+def plot(report: Report, out: str | os.PathLike[str]) -> None:
+    """Draw save time (blocking, total) and size against step into ``out`` (e.g. a PNG)."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise RuntimeError(
+            "report --plot needs matplotlib: pip install 'lightning-mcore-ckpt[plot]'"
+        ) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not report.complete:
+        raise ValueError(f"report --plot: no complete step in {report.dirpath} to plot")
+    steps = [m["global_step"] for m in report.complete]
+
+    def series(key: str) -> list[float]:
+        return [float(m.get(key) or float("nan")) for m in report.complete]
+
+    sizes = series("size_bytes")
+    biggest = max((x for x in sizes if x == x), default=0.0)
+    scale, unit = next(
+        ((f, u) for f, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if biggest >= f),
+        (1.0, "bytes"),
+    )
+    fig, (time_ax, size_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    try:
+        time_ax.plot(steps, series("total_time_s"), marker="o", label="total (until committed)")
+        time_ax.plot(steps, series("blocking_time_s"), marker="o", label="training blocked")
+        time_ax.set_ylabel("save time (s)")
+        time_ax.set_ylim(bottom=0)
+        time_ax.legend()
+        time_ax.grid(alpha=0.3)
+        size_ax.plot(steps, [x / scale for x in sizes], marker="o", color="C2")
+        size_ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        size_ax.set_ylim(0, (biggest / scale) * 1.15 or 1.0)
+        size_ax.set_ylabel(f"size ({unit})")
+        size_ax.set_xlabel("global step")
+        size_ax.xaxis.get_major_locator().set_params(integer=True)
+        size_ax.grid(alpha=0.3)
+        fig.suptitle(f"checkpoints in {report.dirpath.name or report.dirpath}")
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)

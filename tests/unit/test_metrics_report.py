@@ -1,0 +1,199 @@
+"""Save figures, metadata encoding, the report command (pure logic, fabricated directories)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lightning_mcore_ckpt import layout, metrics, report
+from lightning_mcore_ckpt.cli import main as cli_main
+
+
+@pytest.mark.parametrize("data_bytes", [0, 7, 9_000, 99_380, 999_400, 123_456_789_012])
+def test_metadata_size_counts_its_own_bytes(data_bytes: int) -> None:
+    meta = {"global_step": 3, "write_time_s": 0.25, "blocking_time_s": 0.1}
+    text, filled = metrics.encode_metadata(meta, data_bytes)
+    assert filled["size_bytes"] == data_bytes + len(text.encode("utf-8"))
+    assert json.loads(text) == filled
+    assert filled["throughput_gbps"] == pytest.approx(filled["size_bytes"] / 0.25 / 1e9, rel=1e-5)
+
+
+def test_metadata_without_write_time_has_no_throughput() -> None:
+    text, filled = metrics.encode_metadata({"global_step": 1, "write_time_s": None}, 10)
+    assert filled["throughput_gbps"] is None
+    assert filled["size_bytes"] == 10 + len(text)
+
+
+def test_save_metrics_are_the_numeric_figures_under_checkpoint() -> None:
+    meta = {
+        "blocking_time_s": 0.5,
+        "total_time_s": 2,
+        "write_time_s": 1.5,
+        "size_bytes": 100,
+        "throughput_gbps": None,
+        "hf_export_time_s": None,
+        "async": True,
+        "global_step": 4,
+    }
+    assert metrics.save_metrics(meta) == {
+        "checkpoint/blocking_time_s": 0.5,
+        "checkpoint/total_time_s": 2.0,
+        "checkpoint/write_time_s": 1.5,
+        "checkpoint/size_bytes": 100.0,
+    }
+
+
+def test_tree_bytes_counts_files_and_skips_excluded_top_level(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "a.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "model" / "deep").mkdir()
+    (tmp_path / "model" / "deep" / "b").write_bytes(b"y" * 23)
+    (tmp_path / "metadata.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "model" / "a.distcp")
+    assert metrics.tree_bytes(tmp_path, exclude=["metadata.json"]) == 123
+    assert metrics.tree_bytes(tmp_path) == 125
+
+
+def _step(root: Path, step: int, **figures: Any) -> Path:
+    path = layout.step_dir(root, step)
+    (path / "model").mkdir(parents=True)
+    (path / "model" / "__0_0.distcp").write_bytes(b"\0" * 2048)
+    meta = {
+        "global_step": step,
+        "saved_at": "2026-11-22T10:00:00+00:00",
+        "contents": ["model", "optimizer"],
+        "async": True,
+        "parallel_layout": {
+            "tensor_model_parallel_size": 2,
+            "pipeline_model_parallel_size": 1,
+            "context_parallel_size": 1,
+            "expert_model_parallel_size": 1,
+            "data_parallel_size": 4,
+        },
+        "blocking_time_s": 0.125,
+        "total_time_s": 3.5,
+        "write_time_s": 2.0,
+    }
+    meta.update(figures)
+    text, _ = metrics.encode_metadata(meta, 2048)
+    (path / layout.METADATA_FILE).write_text(text)
+    return path
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    _step(root, 10)
+    _step(root, 20, blocking_time_s=0.5, **{"async": False})
+    (layout.step_dir(root, 30) / "model").mkdir(parents=True)  # crashed mid-write
+    garbled = layout.step_dir(root, 40)
+    garbled.mkdir()
+    (garbled / layout.METADATA_FILE).write_text("{ not json")
+    layout.write_tracker(root, 20)
+    return root
+
+
+def test_report_lists_complete_steps_and_names_incomplete_ones(run_dir: Path) -> None:
+    result = report.collect(run_dir)
+    assert [m["global_step"] for m in result.complete] == [10, 20]
+    assert [s.step for s in result.incomplete] == [30, 40]
+    assert result.last == 20
+    lines = report.format_table(result).splitlines()
+    assert lines[0] == f"{run_dir}: 2 complete step(s)"
+    assert lines[1].split()[:3] == ["step", "saved", "at"]
+    rows = [line.split() for line in lines[3:5]]
+    assert rows[0] == [
+        "10",
+        "2026-11-22",
+        "10:00:00",
+        "model,optimizer",
+        *report.human_bytes(result.complete[0]["size_bytes"]).split(),
+        "0.125",
+        "3.500",
+        f"{result.complete[0]['throughput_gbps']:.3g}",
+        "async",
+        "tp2",
+        "pp1",
+        "cp1",
+        "ep1",
+        "dp4",
+    ]
+    assert rows[1][0] == "20*" and rows[1][6] == "0.500" and rows[1][9] == "sync"
+    assert lines[-1] == (
+        "incomplete (never committed, not resumable): global_step_30, global_step_40"
+    )
+
+
+def test_report_cli_prints_the_table_and_draws_the_plot(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "plot.png"
+    assert cli_main(["report", str(run_dir), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "global_step_30" in out and f"plot written to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_missing_directory_is_a_clear_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["report", str(missing)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "not a directory" in err
+
+
+def test_report_plot_into_a_missing_directory_fails_before_reading(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["report", str(run_dir), "--plot", str(tmp_path / "no" / "p.png")])
+    assert exit_info.value.code == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_report_plot_with_nothing_complete_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (layout.step_dir(tmp_path, 5) / "model").mkdir(parents=True)
+    assert cli_main(["report", str(tmp_path), "--plot", str(tmp_path / "p.png")]) == 1
+    captured = capsys.readouterr()
+    assert "0 complete step(s)" in captured.out
+    assert "global_step_5" in captured.out
+    assert "no complete step" in captured.err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_report_runs_as_the_installed_command(run_dir: Path) -> None:
+    exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
+    proc = subprocess.run(
+        [str(exe), "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert "2 complete step(s)" in proc.stdout
+
+
+def test_a_failed_background_commit_is_raised_on_the_training_thread(tmp_path: Path) -> None:
+    from lightning_mcore_ckpt import MegatronCheckpoint
+    from lightning_mcore_ckpt.strategy import CheckpointSaveError
+
+    callback = MegatronCheckpoint(tmp_path)
+    failed: Future[dict[str, Any]] = Future()
+    failed.set_exception(OSError(28, "No space left on device"))
+    target = layout.step_dir(tmp_path, 7)
+    callback._commits.append((target, failed))
+    with pytest.raises(CheckpointSaveError, match=r"committing .*global_step_7 failed: .*space"):
+        callback._log_commits(SimpleNamespace(loggers=[]), wait=True)

@@ -2,7 +2,8 @@
 
 ``MegatronStrategy`` runs Megatron-Core tensor/pipeline/data parallelism inside a Lightning
 ``Trainer`` and writes reshardable Megatron-Core dist-checkpoints; ``MegatronCheckpoint`` decides
-when to save, commits each step, keeps the right ones and resumes exactly from ``"last"``.
+when to save, commits each step, keeps the right ones and resumes exactly from ``"last"``;
+``HFExport`` adds a Hugging Face copy of the weights through mbridge.
 
 Heavy dependencies (Megatron-Core, Lightning) are imported on first use of a public name, so
 ``import lightning_mcore_ckpt`` is instant and silent.
@@ -17,12 +18,14 @@ from lightning_mcore_ckpt._version import __version__
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
+    from lightning_mcore_ckpt.hf import HFExport
     from lightning_mcore_ckpt.sampler import ElasticSampler
     from lightning_mcore_ckpt.strategy import CheckpointSaveError, MegatronStrategy, SaveOptions
 
 __all__ = [
     "CheckpointSaveError",
     "ElasticSampler",
+    "HFExport",
     "MegatronCheckpoint",
     "MegatronStrategy",
     "SaveOptions",
@@ -32,6 +35,7 @@ __all__ = [
 _LAZY = {
     "CheckpointSaveError": "lightning_mcore_ckpt.strategy",
     "ElasticSampler": "lightning_mcore_ckpt.sampler",
+    "HFExport": "lightning_mcore_ckpt.hf",
     "MegatronCheckpoint": "lightning_mcore_ckpt.callback",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",
     "SaveOptions": "lightning_mcore_ckpt.strategy",

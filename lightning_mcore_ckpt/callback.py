@@ -29,6 +29,8 @@ from lightning_mcore_ckpt.strategy import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_mcore_ckpt.hf import HFExport
+
 __all__ = ["SAVE_CONTENTS", "MegatronCheckpoint"]
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,11 @@ class MegatronCheckpoint(ModelCheckpoint):
         save_top_k: how many of the best steps by ``monitor`` to keep (``-1``: all).
         mode: ``"min"`` or ``"max"``.
         save_last: also save the final step when ``fit`` ends, if the cadence did not.
-        hf_export: Hugging Face export settings (required for ``"hf_model"``).
+        hf_export: :class:`~lightning_mcore_ckpt.HFExport`: when to write a Hugging Face copy
+            of the weights into a step's ``huggingface/`` (default ``when="end"``: once, into the
+            final step). Exports run on rank 0 in the background commit, reading the step from
+            disk, so they do not stall training; a step with an export commits only once the
+            export is complete. Required for ``"hf_model"`` (which exports every step).
         restore_dataloader: restore every rank's dataloader position on resume. A resume with a
             different data-parallel size is refused unless the loader uses
             :class:`~lightning_mcore_ckpt.ElasticSampler`, or this is ``False`` (the epoch's
@@ -115,7 +121,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         save_top_k: int = 1,
         mode: str = "min",
         save_last: bool = True,
-        hf_export: Any | None = None,
+        hf_export: HFExport | None = None,
         restore_dataloader: bool = True,
     ) -> None:
         if not isinstance(dirpath, str | os.PathLike) or not str(dirpath):
@@ -181,10 +187,12 @@ class MegatronCheckpoint(ModelCheckpoint):
                 f"MegatronCheckpoint(save_contents={list(save_contents)!r}): 'hf_model' needs "
                 "hf_export=HFExport(hf_model_path=...) to know the Hugging Face model to mirror"
             )
-        if hf_export is not None:
-            raise NotImplementedError(
-                "MegatronCheckpoint(hf_export=...): Hugging Face export is not available in "
-                "this version; remove hf_export and 'hf_model'"
+        from lightning_mcore_ckpt.hf import HFExport
+
+        if hf_export is not None and not isinstance(hf_export, HFExport):
+            raise ValueError(
+                f"MegatronCheckpoint(hf_export={hf_export!r}): pass "
+                "lightning_mcore_ckpt.HFExport(hf_model_path=...) or None"
             )
         if mode not in ("min", "max"):
             raise ValueError(f"MegatronCheckpoint(mode={mode!r}): use 'min' or 'max'")
@@ -255,6 +263,41 @@ class MegatronCheckpoint(ModelCheckpoint):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             metrics.define_wandb_metrics(trainer.loggers)
         trainer.strategy.barrier("MegatronCheckpoint.setup")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.hf_export is None:
+            return
+        # A mismatch found at the end of training would waste the run: check the shapes now.
+        from megatron.core.models.gpt import GPTModel
+
+        from lightning_mcore_ckpt import hf
+
+        strategy = trainer.strategy
+        assert isinstance(strategy, MegatronStrategy)
+        prefixes = [f"{n}." for n, m in pl_module.named_modules() if isinstance(m, GPTModel)]
+        hf.check_model_matches(
+            hf.HFBridge(self.hf_export.path),
+            strategy.model_sharded_state_dict(),
+            prefixes,
+            argument="HFExport(hf_model_path=...)",
+        )
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # when="end": the final step gets its one export, also when it was saved by the cadence
+        # or by an earlier run that stopped before exporting.
+        if self.hf_export is None or self.hf_export.when != "end" or trainer.global_step == 0:
+            return
+        if not trainer.is_global_zero:
+            return
+        from lightning_mcore_ckpt import hf
+
+        target = layout.step_dir(self.dirpath, trainer.global_step)
+        if not layout.is_complete(target) or hf.is_exported(target):
+            return
+        self._submit(target, self._export_into_committed, target)
+        self._log_commits(trainer, wait=True)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -346,13 +389,14 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        export_at_end = self.hf_export is not None and self.hf_export.when == "end"
         if (
-            self.save_final
+            (self.save_final or export_at_end)
             and trainer.global_step > 0
             and not getattr(trainer, "fast_dev_run", False)
             and self._last_global_step_saved != trainer.global_step
         ):
-            self._save_step(trainer, self._monitor_candidates(trainer))
+            self._save_step(trainer, self._monitor_candidates(trainer), export_hf=export_at_end)
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
         strategy.finalize_pending_save(blocking=True)
@@ -384,7 +428,9 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     # --- save and commit ------------------------------------------------------------------
 
-    def _save_step(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> None:
+    def _save_step(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any], export_hf: bool = False
+    ) -> None:
         step = trainer.global_step
         if step == self._last_global_step_saved and step != 0:
             return
@@ -424,9 +470,13 @@ class MegatronCheckpoint(ModelCheckpoint):
             "versions": _versions(),
         }
         contents = [c for c in self.save_contents if c != "hf_model"]
+        export = self.hf_export is not None and (
+            export_hf or "hf_model" in self.save_contents or self.hf_export.when == "every_save"
+        )
+        metadata["contents"] = [*contents, "hf_model"] if export else contents
 
         def commit(record: dict[str, Any]) -> None:
-            self._commit(trainer, target, metadata, record)
+            self._commit(trainer, target, metadata, record, export)
 
         trainer.save_checkpoint(
             target,
@@ -441,6 +491,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         target: Path,
         metadata: dict[str, Any],
         record: dict[str, Any],
+        export: bool = False,
     ) -> None:
         # Every rank, once the save is durable everywhere. Rank 0 commits in the background.
         if not trainer.is_global_zero:
@@ -457,16 +508,36 @@ class MegatronCheckpoint(ModelCheckpoint):
         )
         # Total time: until durable on every rank, then until committed here.
         started = record["finalized_at"] - record["total_time_s"]
+        self._submit(target, self._commit_in_background, target, metadata, started, export)
+
+    def _submit(self, target: Path, fn: Any, *args: Any) -> None:
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
-        self._commits.append(
-            (target, self._committer.submit(self._commit_in_background, target, metadata, started))
+        self._commits.append((target, self._committer.submit(fn, *args)))
+
+    def _export(self, target: Path) -> float:
+        from lightning_mcore_ckpt import hf
+
+        assert self.hf_export is not None
+        start = time.perf_counter()
+        log.info("exporting %s to Hugging Face format", target)
+        hf.export_checkpoint(
+            target,
+            self.hf_export.path,
+            target / hf.HF_DIR,
+            dtype=self.hf_export.dtype,
+            require_complete=False,
+            overwrite=True,
+            progress=False,
         )
+        return time.perf_counter() - start
 
     def _commit_in_background(
-        self, target: Path, metadata: dict[str, Any], started: float
+        self, target: Path, metadata: dict[str, Any], started: float, export: bool
     ) -> dict[str, Any]:
-        # Measure, then write metadata.json (the commit), then the tracker, then retention.
+        # Export, measure, then write metadata.json (the commit), the tracker, retention.
+        if export:
+            metadata["hf_export_time_s"] = self._export(target)
         data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
         metadata["total_time_s"] = time.perf_counter() - started
         text, metadata = metrics.encode_metadata(metadata, data_bytes)
@@ -484,6 +555,23 @@ class MegatronCheckpoint(ModelCheckpoint):
         except Exception as err:
             raise RuntimeError(f"{target} is committed, but retention failed: {err}") from err
         return metadata
+
+    def _export_into_committed(self, target: Path) -> dict[str, Any]:
+        # A committed step stays complete throughout: huggingface/ appears by rename, then the
+        # metadata is replaced atomically with the export's figures.
+        seconds = self._export(target)
+        metadata = layout.read_metadata(target) or {}
+        metadata["hf_export_time_s"] = seconds
+        contents = list(metadata.get("contents") or [])
+        if "hf_model" not in contents:
+            contents.append("hf_model")
+        metadata["contents"] = contents
+        data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
+        text, metadata = metrics.encode_metadata(metadata, data_bytes)
+        layout.write_text_atomic(target / layout.METADATA_FILE, text)
+        log.info("exported %s/%s in %.1fs", target, "huggingface", seconds)
+        # Only the export's figure: the save's own were logged at its commit.
+        return {"global_step": metadata["global_step"], "hf_export_time_s": seconds}
 
     def _log_commits(self, trainer: pl.Trainer, wait: bool) -> None:
         """Log the figures of finished commits, in order (rank 0; others have none).

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_mcore_ckpt._version import __version__
 
@@ -40,7 +41,158 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.png",
         help="also draw save time and size against step into this image (needs matplotlib)",
     )
+
+    ls = commands.add_parser(
+        "ls",
+        help="list a run's complete steps and what each contains",
+        description="List the complete steps of a MegatronCheckpoint directory, what each "
+        "contains (model, optimizer, extra, huggingface) and its size, then incomplete steps.",
+    )
+    ls.add_argument("dirpath", help="the MegatronCheckpoint dirpath (holds global_step_<N>/)")
+
+    export = commands.add_parser(
+        "export",
+        help="convert a saved step (any TP/PP layout) to a Hugging Face model directory",
+        description="Convert the weights of a complete step to a Hugging Face model directory "
+        "(safetensors, config, generation config, tokenizer), on one CPU process, reading one "
+        "layer at a time.",
+    )
+    export.add_argument("step_dir", help="a global_step_<N> directory")
+    export.add_argument(
+        "--hf-model",
+        required=True,
+        help="the Hugging Face model directory the run was trained from (config, tokenizer)",
+    )
+    export.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    export.add_argument("--dtype", choices=sorted(_DTYPES), help="default: the checkpoint's dtype")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    imp = commands.add_parser(
+        "import",
+        help="convert a Hugging Face model to a step directory that fit(ckpt_path=...) loads",
+        description="Convert a Hugging Face model directory to Megatron-Core dist-checkpoint "
+        "weights (a step directory with model/ and metadata.json). trainer.fit(ckpt_path=OUT) "
+        "or MegatronStrategy(init_from=OUT) starts training from them.",
+    )
+    imp.add_argument("hf_dir", help="a local Hugging Face model directory")
+    imp.add_argument("--out", required=True, help="the step directory to write (new or empty)")
+    imp.add_argument(
+        "--prefix",
+        default="model.",
+        help="attribute path of the GPT model in your LightningModule, with a trailing dot "
+        "(default: 'model.' for self.model)",
+    )
+    imp.add_argument("--dtype", choices=sorted(_DTYPES), help="default: the config's torch_dtype")
+    imp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    verify = commands.add_parser(
+        "verify",
+        help="compare an exported Hugging Face directory with a reference, tensor by tensor",
+        description="Compare names, shapes, dtypes and values of an exported Hugging Face "
+        "directory with a reference: another Hugging Face directory, or a step directory "
+        "(converted on the fly). Exit code 0 only when they match within --atol.",
+    )
+    verify.add_argument("exported", help="the Hugging Face directory to check")
+    verify.add_argument(
+        "--reference", required=True, help="a Hugging Face directory or a step directory"
+    )
+    verify.add_argument(
+        "--atol", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)"
+    )
     return parser
+
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _dtype(name: str | None) -> Any:
+    import torch
+
+    return None if name is None else getattr(torch, _DTYPES[name])
+
+
+def _fail(message: object) -> int:
+    print(f"lightning-mcore-ckpt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_mcore_ckpt import hf, layout, report
+
+    try:
+        result = report.collect(args.dirpath)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    print(f"{result.dirpath}: {len(result.complete)} complete step(s)")
+    for meta in result.complete:
+        step = meta["global_step"]
+        path = layout.step_dir(result.dirpath, step)
+        contents = [c for c in meta.get("contents") or [] if c != "hf_model"]
+        if hf.is_exported(path):
+            contents.append("huggingface")
+        mark = "  (last)" if step == result.last else ""
+        size = report.human_bytes(meta.get("size_bytes"))
+        print(f"  global_step_{step}  {size:>10}  {', '.join(contents)}{mark}")
+    for stale in result.incomplete:
+        print(f"  {stale.path.name}  incomplete (never committed)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lightning_mcore_ckpt import hf
+
+    try:
+        summary = hf.export_checkpoint(
+            args.step_dir,
+            args.hf_model,
+            args.out,
+            dtype=_dtype(args.dtype),
+            overwrite=args.overwrite,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        return _fail(err)
+    print(
+        f"exported {summary['tensors']} tensors ({summary['bytes'] / 1e9:.3f} GB) to "
+        f"{summary['path']} in {summary['seconds']:.1f}s"
+    )
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from lightning_mcore_ckpt import hf
+
+    try:
+        summary = hf.import_checkpoint(
+            args.hf_dir,
+            args.out,
+            prefix=args.prefix,
+            dtype=_dtype(args.dtype),
+            overwrite=args.overwrite,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        return _fail(err)
+    print(f"imported {args.hf_dir} to {summary['path']} in {summary['seconds']:.1f}s")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from lightning_mcore_ckpt import hf
+
+    try:
+        result = hf.verify_export(args.exported, args.reference, atol=args.atol)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(err)
+    for problem in result.problems[:20]:
+        print(f"MISMATCH {problem}")
+    if len(result.problems) > 20:
+        print(f"... and {len(result.problems) - 20} more")
+    worst = f" ({result.worst})" if result.worst else ""
+    print(
+        f"compared {result.compared} tensors; largest |difference| {result.max_abs_diff:.3g}"
+        f"{worst}; tolerance {result.atol:g}"
+    )
+    print("OK: they match" if result.ok else "FAILED: they differ")
+    return 0 if result.ok else 1
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -72,6 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args, parser)
+    if args.command == "ls":
+        return _ls(args, parser)
+    if args.command == "export":
+        return _export(args)
+    if args.command == "import":
+        return _import(args)
+    if args.command == "verify":
+        return _verify(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
 
 

@@ -133,6 +133,11 @@ class MegatronStrategy(ParallelStrategy):
             an info message on CPU).
         process_group_backend: ``"nccl"`` or ``"gloo"``; default nccl with CUDA, gloo without.
         timeout: timeout of the process groups' collectives.
+        init_from: initial weights for a ``fit`` that does not resume from a checkpoint: a
+            Hugging Face model directory (converted on the fly through mbridge; every rank reads
+            only its own shards) or a step directory (e.g. from ``lightning-mcore-ckpt import``;
+            any layout). When ``fit`` resumes (``ckpt_path="last"`` finds a step), resuming wins
+            and this is ignored, with a log line.
     """
 
     strategy_name = "megatron"
@@ -150,6 +155,7 @@ class MegatronStrategy(ParallelStrategy):
         ckpt_parallel_load: bool = False,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
+        init_from: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.tensor_model_parallel_size = _check_size(
@@ -182,6 +188,20 @@ class MegatronStrategy(ParallelStrategy):
                 f"MegatronStrategy(process_group_backend={process_group_backend!r}): "
                 "use 'nccl', 'gloo' or None (nccl with CUDA, gloo without)"
             )
+        if init_from is not None:
+            source = Path(init_from).expanduser()
+            if not ((source / "config.json").is_file() or (source / MODEL_DIR).is_dir()):
+                what = "does not exist" if not source.exists() else "has neither"
+                raise ValueError(
+                    f"MegatronStrategy(init_from={str(init_from)!r}): {what} config.json (a "
+                    f"Hugging Face model directory) nor {MODEL_DIR}/ (a step directory); pass "
+                    "one of those"
+                )
+            if (source / "config.json").is_file():
+                from lightning_mcore_ckpt.hf import HFBridge
+
+                HFBridge(source, argument="MegatronStrategy(init_from=...)")
+        self.init_from = None if init_from is None else Path(init_from).expanduser()
         self.sequence_parallel = sequence_parallel
         self.seed = seed
         self.ckpt_async_save = ckpt_async_save
@@ -289,11 +309,50 @@ class MegatronStrategy(ParallelStrategy):
         self.model_to_device()
         self.barrier("MegatronStrategy.setup")
         if trainer.state.fn == TrainerFn.FITTING:
+            self._initialize_weights(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # Lightning clips by the norm of this rank's gradients; with model parallelism that norm
         # must be the model's (see clip_grad_by_norm).
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign,assignment]
+
+    def _initialize_weights(self, trainer: pl.Trainer) -> None:
+        """Load ``init_from`` when this fit does not resume from a checkpoint (collective)."""
+        if self.init_from is None:
+            return
+        if trainer.ckpt_path is not None:
+            if self.global_rank == 0:
+                log.info(
+                    "resuming from %s; init_from=%s not used", trainer.ckpt_path, self.init_from
+                )
+            return
+        start = time.perf_counter()
+        if (self.init_from / "config.json").is_file():
+            from megatron.core.models.gpt import GPTModel
+
+            from lightning_mcore_ckpt import hf
+
+            assert self.lightning_module is not None
+            prefixes = [
+                f"{name}."
+                for name, m in self.lightning_module.named_modules()
+                if isinstance(m, GPTModel)
+            ]
+            if not prefixes:
+                raise ValueError(
+                    f"MegatronStrategy(init_from={self.init_from}): a Hugging Face model "
+                    "initialises a Megatron-Core GPTModel, and the LightningModule has none"
+                )
+            hf.load_hf_weights(prefixes, self.init_from, self.model_sharded_state_dict)
+        else:
+            self._load_weights(layout.resolve_checkpoint(self.init_from))
+        self.barrier("MegatronStrategy.init_from")
+        if self.global_rank == 0:
+            log.info(
+                "no checkpoint to resume from: initialised the weights from %s in %.1fs",
+                self.init_from,
+                time.perf_counter() - start,
+            )
 
     def _megatron_modules(self) -> list[Any]:
         from megatron.core.transformer.module import MegatronModule
@@ -905,7 +964,6 @@ class MegatronStrategy(ParallelStrategy):
         read no optimizer bytes); RNG and Lightning's state from ``extra/`` (this rank's file when
         the layout is unchanged, else rank 0's, and RNG is then re-derived from the seed).
         """
-        from megatron.core import dist_checkpointing
 
         problem = resolved = None
         if self.global_rank == 0:
@@ -924,14 +982,19 @@ class MegatronStrategy(ParallelStrategy):
                 f"{path} is not a lightning-mcore-ckpt step directory: it has no {MODEL_DIR}/ "
                 "(expected model/, optim/, extra/)"
             )
-        model_ssd = self.model_sharded_state_dict()
-        loaded = dist_checkpointing.load(
-            model_ssd, str(path / MODEL_DIR), sharded_strategy=self._load_strategy(path / MODEL_DIR)
-        )
+        self._load_weights(path)
         assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(loaded, strict=self.lightning_module.strict_loading)
-
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.optimizers and _weights_only(path):
+            # Weights and nothing else (e.g. from `lightning-mcore-ckpt import`): training
+            # starts from them, with a fresh optimizer and step 0.
+            if self.global_rank == 0:
+                log.warning(
+                    "%s holds weights only: training starts from them at step 0 with a fresh "
+                    "optimizer",
+                    path,
+                )
+            return {}
         if fitting and self.optimizers:
             if not (path / OPTIM_DIR).is_dir():
                 raise FileNotFoundError(
@@ -940,6 +1003,17 @@ class MegatronStrategy(ParallelStrategy):
                 )
             self._load_optimizers(path / OPTIM_DIR)
         return self._load_extra(path / EXTRA_DIR)
+
+    def _load_weights(self, path: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(
+            self.model_sharded_state_dict(),
+            str(path / MODEL_DIR),
+            sharded_strategy=self._load_strategy(path / MODEL_DIR),
+        )
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(loaded, strict=self.lightning_module.strict_loading)
 
     def _load_optimizers(self, directory: Path) -> None:
         from megatron.core import dist_checkpointing
@@ -1022,6 +1096,16 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
         return nullcontext()
+
+
+def _weights_only(path: Path) -> bool:
+    """A step with weights and nothing to resume (no optimizer, no training state)."""
+    metadata = layout.read_metadata(path) or {}
+    return (
+        not (path / OPTIM_DIR).is_dir()
+        and not (path / EXTRA_DIR).is_dir()
+        and metadata.get("contents", ["model"]) == ["model"]
+    )
 
 
 def _run_in_order(

@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 __all__ = [
     "TINY_SEQ_LEN",
     "TINY_VOCAB",
+    "HFGPTModule",
     "TinyGPTModule",
     "TokenDataset",
     "tiny_gpt",
     "tiny_gpt_config",
+    "tiny_hf_model",
     "tiny_hf_qwen2",
 ]
 
@@ -116,8 +118,9 @@ def _tiny_tokenizer(vocab_size: int) -> Any:
     )
 
 
-def tiny_hf_qwen2(
+def tiny_hf_model(
     path: str | os.PathLike[str],
+    family: str = "qwen2",
     *,
     vocab_size: int = TINY_VOCAB,
     hidden_size: int = 64,
@@ -125,19 +128,27 @@ def tiny_hf_qwen2(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    max_shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Path:
-    """Write a randomly initialised Hugging Face Qwen2 causal LM (with tokenizer) to ``path``.
+    """Write a randomly initialised Hugging Face causal LM (with tokenizer) to ``path``.
 
-    The directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline.
-    Returns ``path``.
+    ``family`` is ``"qwen2"`` (biased QKV) or ``"llama"``. ``max_shard_size`` (e.g. ``"100KB"``)
+    splits the weights into shards with an index, as large models are published. The directory
+    loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline. Returns
+    ``path``.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    if family not in families:
+        raise ValueError(f"tiny_hf_model(family={family!r}): use one of {sorted(families)}")
+    config_cls, model_cls = families[family]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -145,16 +156,22 @@ def tiny_hf_qwen2(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=TINY_SEQ_LEN * 8,
-        tie_word_embeddings=False,
-        torch_dtype=dtype,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype=dtype,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(dtype)
-    model.save_pretrained(out, safe_serialization=True)
+        model = model_cls(config).to(dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
     tokenizer = _tiny_tokenizer(vocab_size)
     tokenizer.save_pretrained(out)
     return out
+
+
+def tiny_hf_qwen2(path: str | os.PathLike[str], **kwargs: Any) -> Path:
+    """:func:`tiny_hf_model` of the Qwen2 family."""
+    return tiny_hf_model(path, "qwen2", **kwargs)
 
 
 class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -209,9 +226,20 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
             sequence_parallel=getattr(strategy, "sequence_parallel", False),
         )
 
+    def _net(self) -> Any:
+        return self.gpt
+
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
-        return self.gpt(inputs, position_ids, None, labels=labels).mean()
+        return self._net()(inputs, position_ids, None, labels=labels).mean()
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[batch, seq, vocab]`` (gathered over tensor parallelism)."""
+        from megatron.core import tensor_parallel
+
+        position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        local = self._net()(inputs, position_ids, None)
+        return tensor_parallel.gather_from_tensor_model_parallel_region(local)
 
     def _pipelined(self) -> bool:
         from megatron.core import parallel_state
@@ -261,3 +289,36 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+class HFGPTModule(TinyGPTModule):
+    """:class:`TinyGPTModule` training the Megatron-Core GPT of a Hugging Face model's family.
+
+    The model (``self.model``) is built from ``hf_model_path``'s config through mbridge, with
+    random weights: start from the Hugging Face weights with
+    ``MegatronStrategy(init_from=hf_model_path)``. Its checkpoint keys start with ``model.``,
+    the default prefix of ``lightning-mcore-ckpt import``.
+    """
+
+    def __init__(
+        self, hf_model_path: str | os.PathLike[str], lr: float = 1e-3, dropout: float = 0.0
+    ) -> None:
+        super().__init__(lr=lr, dropout=dropout)
+        self.save_hyperparameters()
+        self.model: Any = None
+
+    def _net(self) -> Any:
+        return self.model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from lightning_mcore_ckpt.hf import HFBridge
+
+        bridge = HFBridge(self.hparams.hf_model_path)
+        config = bridge.transformer_config(
+            hidden_dropout=self.hparams.dropout,
+            attention_dropout=self.hparams.dropout,
+            sequence_parallel=getattr(self.trainer.strategy, "sequence_parallel", False),
+        )
+        self.model = bridge.gpt_model(config)

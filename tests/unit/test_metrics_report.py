@@ -197,3 +197,19 @@ def test_a_failed_background_commit_is_raised_on_the_training_thread(tmp_path: P
     callback._commits.append((target, failed))
     with pytest.raises(CheckpointSaveError, match=r"committing .*global_step_7 failed: .*space"):
         callback._log_commits(SimpleNamespace(loggers=[]), wait=True)
+
+
+def test_ls_lists_contents_and_exports(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf_copy = layout.step_dir(run_dir, 20) / "huggingface"
+    hf_copy.mkdir()
+    (hf_copy / "config.json").write_text("{}")
+    assert cli_main(["ls", str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{run_dir}: 2 complete step(s)"
+    assert lines[1].split() == ["global_step_10", "2.5", "KiB", "model,", "optimizer"]
+    assert lines[2].split()[0] == "global_step_20"
+    assert lines[2].endswith("model, optimizer, huggingface  (last)")
+    assert lines[3:] == [
+        "  global_step_30  incomplete (never committed)",
+        "  global_step_40  incomplete (never committed)",
+    ]

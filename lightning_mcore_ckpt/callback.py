@@ -6,7 +6,10 @@ import datetime
 import logging
 import math
 import os
+import signal
 import socket
+import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -41,6 +44,25 @@ SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # Lightning's own message when "last" finds nothing suggests ModelCheckpoint(save_last=True),
 # which is wrong here: the callback logs one line of its own instead.
 warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+
+
+_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_HEARTBEAT_S = 60.0
+
+
+def _check_writable(root: Path, given: Any) -> None:
+    # The nearest existing directory must take a new file (root passes os.access everywhere).
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"MegatronCheckpoint(dirpath={str(given)!r}): cannot write under {existing} "
+            f"({err.strerror or err}); pass a writable directory"
+        ) from None
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -96,6 +118,14 @@ class MegatronCheckpoint(ModelCheckpoint):
             different data-parallel size is refused unless the loader uses
             :class:`~lightning_mcore_ckpt.ElasticSampler`, or this is ``False`` (the epoch's
             data order then restarts).
+        on_save_error: ``"raise"`` (default): a failed save stops the run with
+            :class:`~lightning_mcore_ckpt.CheckpointSaveError`. ``"warn"``: it is logged,
+            counted in the ``checkpoint/failed`` metric, and training goes on. Either way the
+            failed step never becomes complete, and the tracker, older steps and retention are
+            untouched.
+        save_on_preemption: on SIGTERM or SIGUSR1 (what schedulers such as SLURM send before
+            stopping or requeueing a job), finish the current step, save it synchronously, and
+            end ``fit`` cleanly, so that ``fit(ckpt_path="last")`` continues exactly.
 
     Example::
 
@@ -123,6 +153,8 @@ class MegatronCheckpoint(ModelCheckpoint):
         save_last: bool = True,
         hf_export: HFExport | None = None,
         restore_dataloader: bool = True,
+        on_save_error: str = "raise",
+        save_on_preemption: bool = True,
     ) -> None:
         if not isinstance(dirpath, str | os.PathLike) or not str(dirpath):
             raise ValueError(
@@ -206,6 +238,16 @@ class MegatronCheckpoint(ModelCheckpoint):
             )
         if not isinstance(save_last, bool):
             raise ValueError(f"MegatronCheckpoint(save_last={save_last!r}): must be True/False")
+        if on_save_error not in ("raise", "warn"):
+            raise ValueError(
+                f"MegatronCheckpoint(on_save_error={on_save_error!r}): use 'raise' (stop the run) "
+                "or 'warn' (log, count checkpoint/failed and keep training)"
+            )
+        if not isinstance(save_on_preemption, bool):
+            raise ValueError(
+                f"MegatronCheckpoint(save_on_preemption={save_on_preemption!r}): must be True/False"
+            )
+        _check_writable(root, dirpath)
         if not isinstance(restore_dataloader, bool):
             raise ValueError(
                 f"MegatronCheckpoint(restore_dataloader={restore_dataloader!r}): must be True/False"
@@ -228,7 +270,14 @@ class MegatronCheckpoint(ModelCheckpoint):
         self.save_final = save_last
         self.hf_export = hf_export
         self.restore_dataloader = restore_dataloader
+        self.on_save_error = on_save_error
+        self.save_on_preemption = save_on_preemption
+        self.failed_saves = 0
         self._resumed_step: int | None = None
+        self._lock: layout.DirectoryLock | None = None
+        self._heartbeat: threading.Event | None = None
+        self._preempted: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
         # Rank 0: commits run in order on one background thread; their figures are logged from
         # the training thread when they are done.
         self._committer: ThreadPoolExecutor | None = None
@@ -259,10 +308,32 @@ class MegatronCheckpoint(ModelCheckpoint):
                 f"MegatronCheckpoint needs Trainer(strategy=MegatronStrategy(...)), got "
                 f"{type(trainer.strategy).__name__}"
             )
+        problem = None
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
+            if stage == "fit":
+                lock = layout.DirectoryLock(self.dirpath)
+                try:
+                    lock.acquire()
+                except RuntimeError as err:
+                    problem = str(err)
+                else:
+                    self._lock = lock
+                    self._start_heartbeat(lock)
             metrics.define_wandb_metrics(trainer.loggers)
-        trainer.strategy.barrier("MegatronCheckpoint.setup")
+        problem = trainer.strategy.broadcast(problem)
+        if problem is not None:
+            raise RuntimeError(f"MegatronCheckpoint(dirpath={str(self.dirpath)!r}): {problem}")
+
+    def _start_heartbeat(self, lock: layout.DirectoryLock) -> None:
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(_HEARTBEAT_S):
+                lock.heartbeat()
+
+        threading.Thread(target=beat, name="checkpoint-lock-heartbeat", daemon=True).start()
+        self._heartbeat = stop
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -301,9 +372,57 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        # After fit, or after an error (Lightning calls on_exception, not teardown, then).
         if self._committer is not None:
             self._committer.shutdown(wait=True)
             self._committer = None
+        self._restore_signal_handlers()
+        if self._heartbeat is not None:
+            self._heartbeat.set()
+            self._heartbeat = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # --- preemption -----------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.save_on_preemption or threading.current_thread() is not threading.main_thread():
+            return
+        # Installed after Lightning's own handlers (which raise at the next step): the run
+        # finishes the step, saves, and ends cleanly instead.
+        self._preempted = None
+        for signum in _PREEMPTION_SIGNALS:
+            self._previous_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_preemption_signal)
+
+    def _on_preemption_signal(self, signum: int, frame: Any) -> None:
+        # Only a flag: the save happens on the training loop, at the end of the current step.
+        self._preempted = signum
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            if signal.getsignal(signum) == self._on_preemption_signal:
+                signal.signal(signum, handler)
+        self._previous_handlers = {}
+
+    def _preemption_requested(self, trainer: pl.Trainer) -> bool:
+        # Any rank's signal stops every rank at the same step.
+        import torch.distributed as dist
+
+        flag = torch.tensor(
+            [0 if self._preempted is None else self._preempted], device=trainer.strategy.root_device
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag.item())
+        if signum and self._preempted is None:
+            self._preempted = signum
+        return bool(signum)
 
     @override
     def on_load_checkpoint(
@@ -356,6 +475,19 @@ class MegatronCheckpoint(ModelCheckpoint):
         batch_idx: int,
     ) -> None:
         self._log_commits(trainer, wait=False)
+        if self._previous_handlers and self._preemption_requested(trainer):
+            name = signal.Signals(self._preempted or signal.SIGTERM).name
+            if trainer.is_global_zero:
+                log.warning(
+                    "%s received: saving step %d synchronously and stopping",
+                    name,
+                    trainer.global_step,
+                )
+            self._save_step(trainer, self._monitor_candidates(trainer), synchronous=True)
+            self._log_commits(trainer, wait=True)
+            trainer.should_stop = True
+            self._restore_signal_handlers()
+            return
         if self._should_skip_saving_checkpoint(trainer):
             return
         due = (
@@ -411,12 +543,16 @@ class MegatronCheckpoint(ModelCheckpoint):
             self._log_commits(trainer, wait=True)
         except Exception as err:  # noqa: BLE001 - reported, the original exception propagates
             log.error("while handling %r: %s", exception, err)
+        finally:
+            self._release()
 
     # --- "last" ---------------------------------------------------------------------------
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        newest = layout.resolve_last(self.dirpath)
+        # Rank 0's choice is the one loaded (the strategy resolves and broadcasts it); only it
+        # reads the steps' indexes to skip a damaged one.
+        newest = layout.resolve_last(self.dirpath, verify=trainer.is_global_zero)
         if newest is None:
             if trainer.is_global_zero:
                 log.warning(
@@ -429,7 +565,11 @@ class MegatronCheckpoint(ModelCheckpoint):
     # --- save and commit ------------------------------------------------------------------
 
     def _save_step(
-        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any], export_hf: bool = False
+        self,
+        trainer: pl.Trainer,
+        monitor_candidates: dict[str, Any],
+        export_hf: bool = False,
+        synchronous: bool = False,
     ) -> None:
         step = trainer.global_step
         if step == self._last_global_step_saved and step != 0:
@@ -446,6 +586,11 @@ class MegatronCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             if layout.is_complete(target):
                 decision = "exists"
+            elif target.exists() and not layout.is_ours(target):
+                decision = (
+                    f"{target} exists but was not written by lightning-mcore-ckpt; move it out "
+                    f"of {self.dirpath} (it is never deleted)"
+                )
             elif target.exists():
                 # Left by a crashed save of this same step: it never committed.
                 log.warning("removing incomplete %s before saving it again", target)
@@ -453,6 +598,9 @@ class MegatronCheckpoint(ModelCheckpoint):
         decision = strategy.broadcast(decision)
         if decision == "exists":
             log.info("%s is already complete; not saving it again", target)
+            return
+        if decision is not None:
+            self._on_save_failed(trainer, step, CheckpointSaveError(decision))
             return
         monitor = None
         if self.monitor is not None and self.monitor in monitor_candidates:
@@ -478,12 +626,35 @@ class MegatronCheckpoint(ModelCheckpoint):
         def commit(record: dict[str, Any]) -> None:
             self._commit(trainer, target, metadata, record, export)
 
+        def failed(error: CheckpointSaveError) -> None:
+            self._on_save_failed(trainer, step, error)
+
         trainer.save_checkpoint(
             target,
             storage_options=SaveOptions(
-                contents=contents, on_finalized=[commit], started_at=started
+                contents=contents,
+                on_finalized=[commit],
+                on_error=failed,
+                synchronous=synchronous,
+                started_at=started,
             ),
         )
+
+    def _on_save_failed(self, trainer: pl.Trainer, step: int, error: BaseException) -> None:
+        """A save or its commit failed (every rank): raise, or warn and count it."""
+        if self.on_save_error == "raise":
+            raise error
+        self.failed_saves += 1
+        log.error(
+            "checkpoint of step %d failed (%d so far); training goes on (on_save_error='warn'): %s",
+            step,
+            self.failed_saves,
+            error,
+        )
+        if trainer.is_global_zero:
+            metrics.log_save_metrics(
+                trainer.loggers, step, {"checkpoint/failed": float(self.failed_saves)}
+            )
 
     def _commit(
         self,
@@ -583,8 +754,12 @@ class MegatronCheckpoint(ModelCheckpoint):
             target, future = self._commits.pop(0)
             try:
                 metadata = future.result()
-            except Exception as err:
-                raise CheckpointSaveError(f"committing {target} failed: {err}") from err
+            except Exception as err:  # noqa: BLE001 - raised or counted by _on_save_failed
+                failure = CheckpointSaveError(f"committing {target} failed: {err}")
+                failure.__cause__ = err
+                step = int(target.name.rsplit("_", 1)[-1]) if target.name[-1:].isdigit() else -1
+                self._on_save_failed(trainer, step, failure)
+                continue
             metrics.log_save_metrics(
                 trainer.loggers, metadata["global_step"], metrics.save_metrics(metadata)
             )
@@ -592,7 +767,7 @@ class MegatronCheckpoint(ModelCheckpoint):
     def _apply_retention(self, committed: int) -> None:
         # Rank 0 only, after the commit. Scans the directory: nothing is kept only in memory.
         for stale in layout.incomplete_steps(self.dirpath):
-            if stale.step < committed:
+            if stale.step < committed and layout.is_ours(stale.path):
                 log.info("removing incomplete %s (a newer step is committed)", stale.path)
                 layout.remove_step(stale.path)
         protect = {committed}

@@ -133,6 +133,8 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mark = "  (last)" if step == result.last else ""
         size = report.human_bytes(meta.get("size_bytes"))
         print(f"  global_step_{step}  {size:>10}  {', '.join(contents)}{mark}")
+    for step, problems in sorted(result.damaged.items()):
+        print(f"  global_step_{step}  DAMAGED: {'; '.join(problems[:3])}")
     for stale in result.incomplete:
         print(f"  {stale.path.name}  incomplete (never committed)")
     return 0

@@ -625,7 +625,7 @@ def _write_export(
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
-        from tqdm import tqdm  # type: ignore[import-untyped]
+        from tqdm import tqdm
 
         bar = tqdm(total=len(plan.files), desc="export", unit="file")
     pending: dict[str, torch.Tensor] = {}

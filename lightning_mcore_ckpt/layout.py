@@ -4,35 +4,46 @@
 
     <dirpath>/
       latest_checkpointed_iteration.txt   # newest committed step, written last, atomically
+      .lightning_mcore_ckpt.lock          # one writer per directory (host, pid)
       global_step_<N>/
+        .lightning_mcore_ckpt             # written first: this package started this step
         model/ optim/ extra/ huggingface/
         metadata.json                     # written last, by rename: makes the step complete
 
 A step directory without a readable ``metadata.json`` is *incomplete*: it does not exist for
-``"last"``, listing or retention (other than being cleaned up once a newer step commits).
-Everything here is pure file-system logic, safe to call from any one rank.
+``"last"``, listing or retention (other than being cleaned up once a newer step commits, when it
+carries this package's start marker). Everything here is pure file-system logic, safe to call
+from any one rank.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import re
 import shutil
+import socket
+import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LOCK_FILE",
     "METADATA_FILE",
     "METADATA_FORMAT_VERSION",
+    "STARTED_MARKER",
     "TRACKER_FILE",
+    "DirectoryLock",
     "StepDir",
     "complete_steps",
     "incomplete_steps",
     "is_complete",
+    "is_ours",
+    "mark_step_started",
     "read_metadata",
     "read_tracker",
     "remove_step",
@@ -40,6 +51,7 @@ __all__ = [
     "resolve_last",
     "retention_plan",
     "step_dir",
+    "verify_step",
     "write_json_atomic",
     "write_text_atomic",
     "write_tracker",
@@ -49,6 +61,8 @@ log = logging.getLogger(__name__)
 
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+STARTED_MARKER = ".lightning_mcore_ckpt"
+LOCK_FILE = ".lightning_mcore_ckpt.lock"
 METADATA_FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 
@@ -118,6 +132,29 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     return read_metadata(path) is not None
 
 
+def mark_step_started(path: str | os.PathLike[str]) -> None:
+    """Create a step directory with this package's start marker (before anything is written)."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        p / STARTED_MARKER,
+        {
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        },
+    )
+
+
+def is_ours(path: str | os.PathLike[str]) -> bool:
+    """Whether this package wrote a step directory (start marker, or its commit marker)."""
+    p = Path(path)
+    if (p / STARTED_MARKER).is_file():
+        return True
+    meta = read_metadata(p)
+    return meta is not None and "format_version" in meta and "global_step" in meta
+
+
 def _step_dirs(dirpath: Path) -> list[StepDir]:
     if not dirpath.is_dir():
         return []
@@ -153,20 +190,73 @@ def write_tracker(dirpath: str | os.PathLike[str], step: int) -> None:
     write_text_atomic(Path(dirpath) / TRACKER_FILE, f"{step}\n")
 
 
-def resolve_last(dirpath: str | os.PathLike[str]) -> Path | None:
-    """The newest complete step under ``dirpath``, or ``None`` when there is none.
+def _verify_dist_checkpoint(directory: Path) -> list[str]:
+    index = directory / ".metadata"
+    if not index.is_file():
+        return [f"{index} is missing"]
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any unreadable index is a damaged checkpoint
+        return [f"{index} is unreadable ({type(err).__name__}: {err})"]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    problems = []
+    for name, size in sorted(needed.items()):
+        shard = directory / name
+        if not shard.is_file():
+            problems.append(f"{shard} is missing")
+        elif shard.stat().st_size < size:
+            problems.append(f"{shard} is truncated ({shard.stat().st_size} of {size} bytes)")
+    return problems
+
+
+def verify_step(path: str | os.PathLike[str]) -> list[str]:
+    """What is wrong with a step directory: missing or truncated files ([] when it is whole).
+
+    Checks, without loading tensors: the commit marker; each dist-checkpoint's index and that
+    every shard file it names exists with all the bytes it references; one readable
+    ``extra/rank_<r>.pt`` per rank of the saving run.
+    """
+    p = Path(path)
+    meta = read_metadata(p)
+    if meta is None:
+        return [f"{p / METADATA_FILE} is missing or not valid JSON"]
+    contents = meta.get("contents", ["model"])
+    problems = []
+    for sub, wanted in (("model", "model"), ("optim", "optimizer")):
+        if wanted in contents:
+            problems += _verify_dist_checkpoint(p / sub)
+    if "extra" in contents:
+        ranks = sorted((p / "extra").glob("rank_*.pt"))
+        world = (meta.get("parallel_layout") or {}).get("world_size")
+        if isinstance(world, int) and len(ranks) != world:
+            problems.append(f"{p / 'extra'} has {len(ranks)} rank files, the save had {world}")
+        for rank_file in ranks:
+            if not zipfile.is_zipfile(rank_file):
+                problems.append(f"{rank_file} is truncated or damaged")
+    return problems
+
+
+def resolve_last(dirpath: str | os.PathLike[str], verify: bool = True) -> Path | None:
+    """The newest complete, undamaged step under ``dirpath``, or ``None`` when there is none.
 
     The tracker is trusted when it names a complete step that is the newest complete one; when
     it is missing, garbled, points at an incomplete or missing step, or lags behind a newer
-    complete step, the directory scan decides (with a warning saying why).
+    complete step, the directory scan decides (with a warning saying why). With ``verify``, a
+    damaged step (see :func:`verify_step`) is skipped with a warning naming the file, and the
+    previous complete step is taken.
     """
     root = Path(dirpath)
     complete = complete_steps(root)
     newest = complete[-1] if complete else None
     tracked = read_tracker(root)
-    if tracked is not None and newest is not None and tracked == newest.step:
-        return newest.path
-    if (root / TRACKER_FILE).exists():
+    if (root / TRACKER_FILE).exists() and not (
+        tracked is not None and newest is not None and tracked == newest.step
+    ):
         if tracked is None:
             why = f"{root / TRACKER_FILE} is unreadable"
         elif not is_complete(step_dir(root, tracked)):
@@ -175,7 +265,18 @@ def resolve_last(dirpath: str | os.PathLike[str]) -> Path | None:
             why = f"the tracker names global_step_{tracked}, but a newer complete step exists"
         found = newest.path.name if newest is not None else "none"
         log.warning("%s; newest complete step by scan: %s", why, found)
-    return newest.path if newest is not None else None
+    for candidate in reversed(complete):
+        problems = verify_step(candidate.path) if verify else []
+        if not problems:
+            return candidate.path
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        log.warning(
+            "skipping damaged %s: %s%s; trying the previous complete step",
+            candidate.path,
+            problems[0],
+            more,
+        )
+    return None
 
 
 def _describe_complete(root: Path) -> str:
@@ -192,7 +293,12 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(f"checkpoint path {p} does not exist or is not a directory")
+        parent = p.parent
+        steps = _describe_complete(parent) if parent.is_dir() else f"{parent} does not exist"
+        raise FileNotFoundError(
+            f"checkpoint path {p} does not exist or is not a directory; complete steps in "
+            f"{parent}: {steps}. Pass one of them, a checkpoint dirpath, or ckpt_path='last'"
+        )
     if (p / "model").is_dir() or (p / METADATA_FILE).exists():
         parent = p.parent
         managed = (parent / TRACKER_FILE).exists() or bool(complete_steps(parent))
@@ -201,6 +307,15 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
                 f"checkpoint {p} is incomplete ({METADATA_FILE} missing or unreadable: its save "
                 f"never finished); complete steps in {parent}: {_describe_complete(parent)}. "
                 "Pass one of them, or ckpt_path='last'"
+            )
+        problems = verify_step(p) if is_complete(p) else _verify_dist_checkpoint(p / "model")
+        if problems:
+            listed = "\n  ".join(problems[:10])
+            intact = [s.path.name for s in complete_steps(parent) if not verify_step(s.path)]
+            raise FileNotFoundError(
+                f"checkpoint {p} is damaged:\n  {listed}\ncomplete undamaged steps in {parent}: "
+                f"{', '.join(intact) or 'none'}. Pass one of them, or ckpt_path='last' (which "
+                "skips damaged steps)"
             )
         return p
     newest = resolve_last(p)
@@ -266,6 +381,106 @@ def remove_step(path: str | os.PathLike[str]) -> None:
     p = Path(path)
     if not _STEP_RE.match(p.name):
         raise ValueError(f"refusing to delete {p}: not a global_step_<N> directory")
+    if not is_ours(p):
+        raise ValueError(
+            f"refusing to delete {p}: it has no lightning-mcore-ckpt marker ({STARTED_MARKER} "
+            f"or {METADATA_FILE}), so this package did not write it"
+        )
     (p / METADATA_FILE).unlink(missing_ok=True)
     _fsync_dir(p)
     shutil.rmtree(p, ignore_errors=False)
+
+
+class DirectoryLock:
+    """One writer per checkpoint directory: ``<dirpath>/.lightning_mcore_ckpt.lock``.
+
+    The lock file holds the owner's host, pid and process start time. A lock whose owner is
+    gone is recovered with a warning: on the same host when the process no longer runs, on
+    another host when its heartbeat (the file's mtime, refreshed by :meth:`heartbeat`) is older
+    than ``stale_after_s``. Anything else is refused, naming the owner.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str], stale_after_s: float = 300.0) -> None:
+        self.path = Path(dirpath) / LOCK_FILE
+        self.stale_after_s = stale_after_s
+        self.owned = False
+
+    @staticmethod
+    def _me() -> dict[str, Any]:
+        import psutil
+
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "create_time": psutil.Process().create_time(),
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        }
+
+    def _owner_alive(self, owner: Mapping[str, Any]) -> bool:
+        import psutil
+
+        if owner.get("host") == socket.gethostname():
+            try:
+                proc = psutil.Process(int(owner.get("pid", -1)))
+                same = abs(proc.create_time() - float(owner.get("create_time", 0))) < 1.0
+            except (psutil.Error, ValueError, TypeError):
+                return False
+            return same and proc.status() != psutil.STATUS_ZOMBIE
+        try:
+            import time
+
+            return time.time() - self.path.stat().st_mtime < self.stale_after_s
+        except OSError:
+            return False
+
+    def acquire(self) -> None:
+        """Take the lock, or raise ``RuntimeError`` naming the run that holds it."""
+        me = self._me()
+        text = json.dumps(me, indent=2) + "\n"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                owner = {}
+            if isinstance(owner, dict) and self._owner_alive(owner):
+                raise RuntimeError(
+                    f"{self.path.parent} is in use by another run (pid {owner.get('pid')} on "
+                    f"{owner.get('host')}, since {owner.get('started_at')}): two runs writing "
+                    "one directory would delete each other's checkpoints. Use another dirpath, "
+                    f"or stop that run; if it is dead, delete {self.path}"
+                ) from None
+            log.warning(
+                "recovering the stale lock %s of a run that is gone (pid %s on %s)",
+                self.path,
+                owner.get("pid") if isinstance(owner, dict) else "?",
+                owner.get("host") if isinstance(owner, dict) else "?",
+            )
+            write_text_atomic(self.path, text)
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        self.owned = True
+
+    def heartbeat(self) -> None:
+        """Refresh the lock's mtime (shows other hosts that the owner is alive)."""
+        if self.owned:
+            try:
+                os.utime(self.path)
+            except OSError as err:
+                log.warning("could not refresh %s: %s", self.path, err)
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it."""
+        if not self.owned:
+            return
+        self.owned = False
+        try:
+            owner = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+            self.path.unlink(missing_ok=True)

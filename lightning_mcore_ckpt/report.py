@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,8 @@ class Report:
     """Step directories that never committed (crashed, or still being written)."""
     last: int | None
     """The step ``ckpt_path="last"`` resumes from."""
+    damaged: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    """Complete steps with missing or truncated files, and what is wrong with each."""
 
 
 def collect(dirpath: str | os.PathLike[str]) -> Report:
@@ -44,16 +47,21 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
             "MegatronCheckpoint (the directory holding the global_step_<N> directories)"
         )
     complete = []
+    damaged = {}
     for step in layout.complete_steps(root):
         metadata = layout.read_metadata(step.path) or {}
         metadata.setdefault("global_step", step.step)
         complete.append(metadata)
+        problems = layout.verify_step(step.path)
+        if problems:
+            damaged[step.step] = problems
     last = layout.resolve_last(root)
     return Report(
         dirpath=root,
         complete=complete,
         incomplete=layout.incomplete_steps(root),
         last=None if last is None else _step_number(last),
+        damaged=damaged,
     )
 
 
@@ -142,6 +150,8 @@ def format_table(report: Report) -> str:
         lines.extend(fmt(r) for r in rows)
         if report.last is not None:
             lines.append('* "last": what trainer.fit(ckpt_path="last") resumes from')
+    for step, problems in sorted(report.damaged.items()):
+        lines.append(f'DAMAGED global_step_{step} (skipped by "last"): {"; ".join(problems[:3])}')
     if report.incomplete:
         names = ", ".join(s.path.name for s in report.incomplete)
         lines.append(f"incomplete (never committed, not resumable): {names}")

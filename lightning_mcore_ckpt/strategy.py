@@ -26,6 +26,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from lightning_mcore_ckpt import _cpu, _optim, _parallel, layout
@@ -68,6 +69,11 @@ class SaveOptions:
     on_finalized: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
     """Called on every rank, in order, once the whole save is durable on all ranks, with the
     save's record (path, layout, timings). For an async save this happens at finalisation."""
+    synchronous: bool = False
+    """Write synchronously even with ``ckpt_async_save=True`` (e.g. before a preempted exit)."""
+    on_error: Callable[[CheckpointSaveError], None] | None = None
+    """Called on every rank instead of raising when this save fails (sync: from
+    ``save_checkpoint``; async: at finalisation). Default: raise."""
     started_at: float | None = None
     """``time.perf_counter()`` when the caller began this save's work on the training thread
     (its own preparation then counts as blocking time). Default: when ``save_checkpoint``
@@ -89,6 +95,7 @@ class _PendingSave:
     on_finalized: list[Callable[[dict[str, Any]], None]]
     write_timer: torch.Tensor
     """Shared memory the background writer stores its write duration in."""
+    on_error: Callable[[CheckpointSaveError], None] | None = None
 
 
 def _check_size(name: str, value: Any) -> int:
@@ -761,6 +768,10 @@ class MegatronStrategy(ParallelStrategy):
     ) -> None:
         """Write a checkpoint directory. Collective: every rank calls it, in the same order.
 
+        A write error on any rank fails the save on every rank (no rank is left waiting) as
+        :class:`CheckpointSaveError`, raised or passed to ``storage_options.on_error``; the
+        directory then never gets a commit.
+
         1) (all ranks) finalise a previous async save still in flight (one at a time)
         2) (rank 0) create ``filepath`` and its ``model/``, ``optim/``, ``extra/``
         3) (all ranks) write their shards of model and optimizer with dist-checkpointing
@@ -791,18 +802,24 @@ class MegatronStrategy(ParallelStrategy):
                     "save each step to a new directory"
                 )
             else:
-                for sub, wanted in (
-                    (MODEL_DIR, "model"),
-                    (OPTIM_DIR, "optimizer"),
-                    (EXTRA_DIR, "extra"),
-                ):
-                    if wanted in contents:
-                        (path / sub).mkdir(parents=True, exist_ok=True)
+                try:
+                    layout.mark_step_started(path)
+                    for sub, wanted in (
+                        (MODEL_DIR, "model"),
+                        (OPTIM_DIR, "optimizer"),
+                        (EXTRA_DIR, "extra"),
+                    ):
+                        if wanted in contents:
+                            (path / sub).mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    problem = f"cannot create checkpoint directory {path}: {err}"
         # Every rank raises the same error instead of waiting for rank 0 in a barrier.
         problem = self.broadcast(problem)
         if problem is not None:
+            if problem.startswith("cannot create"):
+                return self._failed(CheckpointSaveError(problem), options.on_error)
             raise FileExistsError(problem)
-        async_save = self.ckpt_async_save
+        async_save = self.ckpt_async_save and not options.synchronous
         requests = []
         model_ssd = self.model_sharded_state_dict()
         # Sync and async saves take the same path (as dist_checkpointing.save does internally):
@@ -830,10 +847,17 @@ class MegatronStrategy(ParallelStrategy):
         write_timer = torch.zeros(1, dtype=torch.float64).share_memory_()
         request = _combine_async_requests([r for r in requests if r is not None], write_timer)
         extra_write_s = 0.0
+        error: BaseException | None = None
         if "extra" in contents:
             extra_start = time.perf_counter()
-            self._save_extra(path / EXTRA_DIR, checkpoint)
+            try:
+                self._save_extra(path / EXTRA_DIR, checkpoint)
+            except OSError as err:
+                error = err
             extra_write_s = time.perf_counter() - extra_start
+        failure = self._agree_on_failure(error, path, "writing extra/")
+        if failure is not None:
+            return self._failed(failure, options.on_error)
         record: dict[str, Any] = {
             "path": str(path),
             "contents": contents,
@@ -846,15 +870,58 @@ class MegatronStrategy(ParallelStrategy):
             call_id = self._get_async_queue().schedule_async_request(request)
             record["call_s"] = time.perf_counter() - start
             self._pending = _PendingSave(
-                path, [call_id], record, list(options.on_finalized), write_timer
+                path, [call_id], record, list(options.on_finalized), write_timer, options.on_error
             )
-        else:
+            return None
+        try:
             _run_in_order(*request.async_fn_args)
-            self.barrier("save_checkpoint.write")
-            for finalize in request.finalize_fns:
-                finalize()
-            record["call_s"] = time.perf_counter() - start
-            self._complete(record, write_timer, options.on_finalized)
+        except Exception as err:  # noqa: BLE001 - any write error: shared, then raised
+            error = err
+        failure = self._agree_on_failure(error, path, "writing model/ and optim/")
+        if failure is None:
+            # Collective: shard writers report their errors here (the failing rank's names the
+            # cause; the others only learn that a rank failed): share the failing rank's.
+            try:
+                for finalize in request.finalize_fns:
+                    finalize()
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared, re-raised
+                error = err
+            failure = self._agree_on_failure(error, path, "finishing model/ and optim/")
+        if failure is not None:
+            return self._failed(failure, options.on_error)
+        record["call_s"] = time.perf_counter() - start
+        self._complete(record, write_timer, options.on_finalized)
+        return None
+
+    def _agree_on_failure(
+        self, error: BaseException | None, path: Path, phase: str
+    ) -> CheckpointSaveError | None:
+        """Collective: every rank learns whether any rank failed, so none waits for it.
+
+        The error reported everywhere is the lowest failing rank's (for a shard write error,
+        rank 0 is the one that holds every rank's details).
+        """
+        world = dist.get_world_size()
+        mine = torch.tensor([world if error is None else self.global_rank], device=self.root_device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        failed_rank = int(mine.item())
+        if failed_rank >= world:
+            return None
+        why = [_describe_error(error) if error is not None else ""]
+        dist.broadcast_object_list(why, src=failed_rank)
+        failure = CheckpointSaveError(
+            f"checkpoint save to {path} failed while {phase} (rank {failed_rank}): {why[0]}"
+        )
+        failure.__cause__ = error
+        return failure
+
+    @staticmethod
+    def _failed(
+        failure: CheckpointSaveError, on_error: Callable[[CheckpointSaveError], None] | None
+    ) -> None:
+        if on_error is None:
+            raise failure
+        on_error(failure)
 
     def _save_extra(self, directory: Path, checkpoint: dict[str, Any]) -> None:
         payload = {
@@ -924,11 +991,15 @@ class MegatronStrategy(ParallelStrategy):
 
         try:
             finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
-        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        # CheckpointException is a BaseException; either is re-raised as CheckpointSaveError.
+        except (Exception, CheckpointException) as err:  # noqa: BLE001
             self._pending = None
-            raise CheckpointSaveError(
+            failure = CheckpointSaveError(
                 f"async checkpoint save to {pending.path} failed in the background write: {err}"
-            ) from err
+            )
+            failure.__cause__ = err
+            self._failed(failure, pending.on_error)
+            return True
         pending.call_ids = [c for c in pending.call_ids if c not in finalized]
         if pending.call_ids:
             return False
@@ -1004,8 +1075,42 @@ class MegatronStrategy(ParallelStrategy):
             self._load_optimizers(path / OPTIM_DIR)
         return self._load_extra(path / EXTRA_DIR)
 
+    def _check_shapes(self, model_dir: Path) -> None:
+        """Name the first tensor whose shape differs between the checkpoint and the model."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = {
+            key: tuple(md.size)
+            for key, md in FileSystemReader(str(model_dir))
+            .read_metadata()
+            .state_dict_metadata.items()
+            if hasattr(md, "size")
+        }
+        ssd = self.model_sharded_state_dict()
+        apply_factories(ssd)
+        for sh in nested_values(ssd):
+            if not isinstance(sh, ShardedTensor):
+                continue
+            want, got = tuple(sh.global_shape), saved.get(sh.key)
+            if got is None:
+                raise ValueError(
+                    f"checkpoint {model_dir.parent} does not fit the model: it has no tensor "
+                    f"{sh.key!r} (shape {list(want)} in the model); load it into the model it "
+                    "was saved from (same attribute names and config)"
+                )
+            if got != want:
+                raise ValueError(
+                    f"checkpoint {model_dir.parent} does not fit the model: {sh.key} has shape "
+                    f"{list(got)} in the checkpoint but {list(want)} in the model; load it into "
+                    "a model with the configuration it was saved with"
+                )
+
     def _load_weights(self, path: Path) -> None:
         from megatron.core import dist_checkpointing
+
+        self._check_shapes(path / MODEL_DIR)
 
         loaded = dist_checkpointing.load(
             self.model_sharded_state_dict(),
@@ -1096,6 +1201,20 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
         return nullcontext()
+
+
+def _describe_error(error: BaseException) -> str:
+    """An error's message, with the per-rank causes a torch ``CheckpointException`` hides."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            while getattr(cause, "__cause__", None) is not None:
+                cause = cause.__cause__
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(error).__name__}: {error}"
 
 
 def _weights_only(path: Path) -> bool:

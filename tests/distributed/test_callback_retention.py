@@ -46,8 +46,13 @@ def _fit(dirpath: str, max_steps: int, ckpt_path: str | None, **kwargs: Any) -> 
 
 def _retention_across_restarts(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]]:
     runs = [_fit(tmp, 3, "last", max_to_keep=2)]
-    # Left behind by others: a crashed save of an old step, and files not in the layout.
+    # Left behind: a crashed save of an old step (it has the start marker), a directory named
+    # like a step that this package did not write, and files not in the layout.
+    from lightning_mcore_ckpt import layout
+
+    layout.mark_step_started(Path(tmp, "global_step_1"))
     Path(tmp, "global_step_1", "model").mkdir(parents=True)
+    Path(tmp, "global_step_0", "data").mkdir(parents=True)
     Path(tmp, "notes").mkdir()
     Path(tmp, "global_step_7.tar").write_text("not a step directory")
     runs.append(_fit(tmp, 5, "last", max_to_keep=2))
@@ -60,8 +65,9 @@ def test_retention_is_restart_safe_and_touches_only_its_layout(tmp_path: Path) -
     assert first["dir"] == ["global_step_2", "global_step_3", "latest_checkpointed_iteration.txt"]
     assert second["start"] == 3
     # The resumed-from step went once two newer ones committed; the crashed global_step_1 was
-    # cleaned up; what is not in the layout was left alone.
+    # cleaned up; what this package did not write was left alone.
     assert second["dir"] == [
+        "global_step_0",
         "global_step_4",
         "global_step_5",
         "global_step_7.tar",

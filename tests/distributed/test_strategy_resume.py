@@ -68,6 +68,7 @@ def _exact_resume(rank: int, world_size: int, tmp: str, tp: int) -> dict[str, ob
 def test_resume_from_saved_step_is_bit_identical(tmp_path: Path, world_size: int, tp: int) -> None:
     results = run_distributed(_exact_resume, world_size, str(tmp_path), tp, timeout=280)
     assert results[0]["files"] == [
+        "global_step_3/.lightning_mcore_ckpt",  # the start marker
         "global_step_3/extra",
         "global_step_3/model",
         "global_step_3/optim",

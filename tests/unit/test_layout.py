@@ -15,7 +15,8 @@ def _step(root: Path, step: int, complete: bool = True, monitor: float | None = 
     d = layout.step_dir(root, step)
     (d / "model").mkdir(parents=True)
     if complete:
-        meta = {"global_step": step, "monitor": None}
+        # Lists no contents: these tests are about naming and ordering, not verification.
+        meta = {"format_version": 1, "global_step": step, "contents": [], "monitor": None}
         if monitor is not None:
             meta["monitor"] = {"name": "val_loss", "value": monitor}
         layout.write_json_atomic(d / layout.METADATA_FILE, meta)

@@ -63,9 +63,12 @@ def test_tree_bytes_counts_files_and_skips_excluded_top_level(tmp_path: Path) ->
 
 
 def _step(root: Path, step: int, **figures: Any) -> Path:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     path = layout.step_dir(root, step)
-    (path / "model").mkdir(parents=True)
-    (path / "model" / "__0_0.distcp").write_bytes(b"\0" * 2048)
+    for sub in ("model", "optim"):  # small but real dist-checkpoints, so the steps verify
+        dcp.save({"w": torch.zeros(256)}, checkpoint_id=str(path / sub), no_dist=True)
     meta = {
         "global_step": step,
         "saved_at": "2026-11-22T10:00:00+00:00",
@@ -83,7 +86,7 @@ def _step(root: Path, step: int, **figures: Any) -> Path:
         "write_time_s": 2.0,
     }
     meta.update(figures)
-    text, _ = metrics.encode_metadata(meta, 2048)
+    text, _ = metrics.encode_metadata(meta, metrics.tree_bytes(path))
     (path / layout.METADATA_FILE).write_text(text)
     return path
 
@@ -206,7 +209,10 @@ def test_ls_lists_contents_and_exports(run_dir: Path, capsys: pytest.CaptureFixt
     assert cli_main(["ls", str(run_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{run_dir}: 2 complete step(s)"
-    assert lines[1].split() == ["global_step_10", "2.5", "KiB", "model,", "optimizer"]
+    size = report.human_bytes(
+        json.loads((layout.step_dir(run_dir, 10) / "metadata.json").read_text())["size_bytes"]
+    )
+    assert lines[1].split() == ["global_step_10", *size.split(), "model,", "optimizer"]
     assert lines[2].split()[0] == "global_step_20"
     assert lines[2].endswith("model, optimizer, huggingface  (last)")
     assert lines[3:] == [

@@ -1,0 +1,206 @@
+"""Runs of a real Trainer with a fault injected at a chosen point (runs inside each rank).
+
+Faults are injected where they happen in real life: SIGKILL of the rank process from inside
+the shard writer (which runs in forked processes for async saves), from the commit thread, or
+from the middle of a directory removal; OSErrors raised by the lowest-level file writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SAVE_EVERY = 2
+MAX_STEPS = 6
+FAULT_STEP = 4
+"""The save that is interrupted (the save at step 2 before it succeeds)."""
+
+_RANK_PID = 0
+
+
+def _die() -> None:
+    # The rank process, also when called from a writer process it forked.
+    os.kill(_RANK_PID, signal.SIGKILL)
+
+
+def _target(path: Any, sub: str = "") -> bool:
+    return f"global_step_{FAULT_STEP}/{sub}" in str(path)
+
+
+def inject(fault: str | None, rank: int) -> None:
+    """Arm ``fault`` (``"<point>:<action>@<rank>"``, rank optional) in this rank's process."""
+    global _RANK_PID
+    _RANK_PID = os.getpid()
+    if not fault:
+        return
+    point_action, _, only_rank = fault.partition("@")
+    if only_rank and int(only_rank) != rank:
+        return
+    point, _, action = point_action.partition(":")
+
+    def act() -> None:
+        if action == "kill":
+            _die()
+        code = getattr(errno, action)
+        raise OSError(code, f"{os.strerror(code)} (injected at {point})")
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from lightning_mcore_ckpt import layout, strategy
+
+    if point in ("model_shards", "optim_shards"):
+        sub = "model/" if point == "model_shards" else "optim/"
+        original = filesystem_async._write_item
+
+        @functools.wraps(original)
+        def write_item(*args: Any, **kwargs: Any) -> Any:
+            stream = args[1]
+            if _target(getattr(stream, "name", ""), sub):
+                if action == "kill":
+                    out = original(*args, **kwargs)  # this item is on disk, the rest is not
+                    stream.flush()
+                    _die()
+                    return out
+                act()
+            return original(*args, **kwargs)
+
+        filesystem_async._write_item = write_item
+    elif point == "extra":
+        original_extra = strategy.MegatronStrategy._save_extra
+
+        def save_extra(self: Any, directory: Path, checkpoint: Any) -> None:
+            if _target(directory):
+                act()
+            original_extra(self, directory, checkpoint)
+
+        strategy.MegatronStrategy._save_extra = save_extra  # type: ignore[method-assign]
+    elif point == "before_commit":
+        original_write = layout.write_text_atomic
+
+        def write_text_atomic(path: Any, text: str) -> None:
+            if Path(path).name == layout.METADATA_FILE and _target(path):
+                act()
+            original_write(path, text)
+
+        layout.write_text_atomic = write_text_atomic
+    elif point == "before_tracker":
+        original_tracker = layout.write_tracker
+
+        def write_tracker(dirpath: Any, step: int) -> None:
+            if step == FAULT_STEP:
+                act()
+            original_tracker(dirpath, step)
+
+        layout.write_tracker = write_tracker
+    elif point == "retention":
+        original_rmtree = shutil.rmtree
+
+        def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+            if Path(path).name.startswith("global_step_") and (Path(path) / "model").exists():
+                original_rmtree(Path(path) / "model")  # halfway through the removal
+                act()
+            original_rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = rmtree  # type: ignore[assignment]
+    else:
+        raise ValueError(f"unknown fault point {point!r}")
+
+
+def train(
+    rank: int, world_size: int, tmp: str, fault: str | None = None, options: Any = None
+) -> dict[str, Any]:
+    """:func:`run` with its keyword options passed as a dict (ranks take positional args)."""
+    return run(rank, world_size, tmp, fault, **(options or {}))
+
+
+def run(
+    rank: int,
+    world_size: int,
+    tmp: str,
+    fault: str | None = None,
+    *,
+    tp: int = 1,
+    async_save: bool = False,
+    max_to_keep: int | None = 1,
+    on_save_error: str = "raise",
+    signal_at: tuple[int, int, int] | None = None,
+    max_steps: int = MAX_STEPS,
+    ckpt_path: str | None = "last",
+    num_layers: int = 2,
+) -> dict[str, Any]:
+    """One run; returns where it started and ended, its losses and its gathered weights."""
+    import lightning.pytorch as pl
+    from _trainer import gathered_weights, make_trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    inject(fault, rank)
+    seen: dict[str, int] = {}
+
+    class Watch(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            seen["start"] = trainer.global_step
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if signal_at is not None:
+                step, signum, only_rank = signal_at
+                if trainer.global_step == step and rank == only_rank:
+                    os.kill(os.getpid(), signum)  # a real signal, as a scheduler sends it
+
+    torch.manual_seed(0)  # the shuffling loader's order
+    module = TinyGPTModule(num_layers=num_layers)
+    trainer = make_trainer(
+        max_steps,
+        MegatronStrategy(tensor_model_parallel_size=tp, ckpt_async_save=async_save),
+        world_size,
+        callbacks=[
+            MegatronCheckpoint(
+                Path(tmp, "ckpt"),
+                every_n_train_steps=SAVE_EVERY,
+                max_to_keep=max_to_keep,
+                on_save_error=on_save_error,
+            ),
+            Watch(),
+        ],
+        enable_checkpointing=True,
+        logger=CSVLogger(tmp, name="csv", version=f"run{os.getpid()}"),
+        log_every_n_steps=1,
+    )
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_mcore_ckpt.tiny import TokenDataset
+
+    data = StatefulDataLoader(TokenDataset(64), batch_size=2, shuffle=True)
+    trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt_path)
+    callback = next(c for c in trainer.callbacks if isinstance(c, MegatronCheckpoint))
+    return {
+        "start": seen.get("start"),
+        "end": trainer.global_step,
+        "losses": [x.clone() for x in module.step_losses],
+        "weights": gathered_weights(trainer),
+        "failed_saves": callback.failed_saves,
+        "csv": str(Path(trainer.logger.log_dir) / "metrics.csv") if trainer.logger else None,
+    }
+
+
+def listing(tmp: str | Path) -> list[str]:
+    """What is in the checkpoint directory, marked: complete steps plain, others with '?'."""
+    from lightning_mcore_ckpt import layout
+
+    root = Path(tmp, "ckpt")
+    out = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("global_step_"):
+            out.append(entry.name if layout.is_complete(entry) else entry.name + "?")
+        else:
+            out.append(entry.name)
+    return out

@@ -446,6 +446,8 @@ class _ExportPlan:
     sources: dict[str, tuple[str, _Slice]]
     """Hugging Face name -> (Megatron-Core name, checkpoint slice) it comes from."""
     sharded: bool
+    shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Hugging Face name -> shape."""
 
 
 def _plan_export(
@@ -497,9 +499,9 @@ def _plan_export(
         files: dict[str, list[str]] = {}
         for name in sorted(names, key=lambda n: (weight_map.get(n, "~extra.safetensors"), n)):
             files.setdefault(weight_map.get(name, "model-extra.safetensors"), []).append(name)
-        return _ExportPlan(files, sources, sharded=True)
+        return _ExportPlan(files, sources, sharded=True, shapes=produced)
     if (bridge.path / _SINGLE).is_file():
-        return _ExportPlan({_SINGLE: sorted(names)}, sources, sharded=False)
+        return _ExportPlan({_SINGLE: sorted(names)}, sources, sharded=False, shapes=produced)
     # No weights to mirror: shards of at most max_shard_bytes, in name order.
     files = {}
     current: list[str] = []
@@ -514,12 +516,12 @@ def _plan_export(
         size += nbytes
     files[f"part-{len(files)}"] = current
     if len(files) == 1:
-        return _ExportPlan({_SINGLE: files["part-0"]}, sources, sharded=False)
+        return _ExportPlan({_SINGLE: files["part-0"]}, sources, sharded=False, shapes=produced)
     total = len(files)
     named = {
         f"model-{i + 1:05d}-of-{total:05d}.safetensors": v for i, v in enumerate(files.values())
     }
-    return _ExportPlan(named, sources, sharded=True)
+    return _ExportPlan(named, sources, sharded=True, shapes=produced)
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -612,6 +614,70 @@ def export_checkpoint(
     return summary
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class _SafetensorsWriter:
+    """One safetensors file written tensor by tensor, in any order, never held whole.
+
+    The header is known up front from the shapes, so each tensor goes to its place as soon as
+    it is converted. The layout is the one ``safetensors.torch.save_file`` produces for tensors
+    of one dtype (names sorted, data contiguous in that order, header padded to 8 bytes), so the
+    files are byte-identical to it.
+    """
+
+    def __init__(self, path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype):
+        self.dtype = dtype
+        self.item = torch.empty((), dtype=dtype).element_size()
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self.offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+        for name in sorted(shapes):
+            size = math.prod(shapes[name]) * self.item
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shapes[name]),
+                "data_offsets": [offset, offset + size],
+            }
+            self.offsets[name] = (offset, tuple(shapes[name]))
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * ((8 - len(text) % 8) % 8)
+        self.base = 8 + len(text)
+        self.size = offset
+        self.file = open(path, "wb")
+        self.file.write(len(text).to_bytes(8, "little") + text)
+        self.file.truncate(self.base + offset)
+        self.missing = set(shapes)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        offset, shape = self.offsets[name]
+        if tuple(tensor.shape) != shape:
+            raise RuntimeError(
+                f"export: {name} has shape {list(tensor.shape)}, planned {list(shape)}"
+            )
+        data = tensor.detach().to(self.dtype).contiguous().reshape(-1).view(torch.uint8)
+        self.file.seek(self.base + offset)
+        self.file.write(data.numpy().data)
+        self.missing.discard(name)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.missing:
+            raise RuntimeError(f"export: tensors never written: {sorted(self.missing)[:5]}")
+
+
 def _write_export(
     bridge: HFBridge,
     reader: _CheckpointReader,
@@ -620,38 +686,44 @@ def _write_export(
     dtype: torch.dtype,
     progress: bool | None,
 ) -> dict[str, Any]:
-    from safetensors.torch import save_file
-
+    # Memory: one Megatron-Core tensor slice (e.g. one layer's fused QKV) and what it converts
+    # to; outputs that belong to a later file wait for it (rare, and small).
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(plan.files), desc="export", unit="file")
+        bar = tqdm(total=len(plan.sources), desc="export", unit="tensor")
     pending: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
     total_bytes = total_params = 0
     try:
         for number, (filename, names) in enumerate(plan.files.items(), start=1):
-            wanted = {}
-            for name in names:
-                if name not in pending:
+            writer = _SafetensorsWriter(out / filename, {n: plan.shapes[n] for n in names}, dtype)
+            try:
+                wanted = set(names)
+                for name in names:
+                    if name in pending:
+                        writer.write(name, pending.pop(name))
+                        continue
+                    if name not in writer.missing:
+                        continue  # written with an earlier name of the same source tensor
                     mcore_name, piece = plan.sources[name]
-                    wanted[mcore_name] = piece
-            loaded = reader.read(wanted)
-            for mcore_name, tensor in loaded.items():
-                for hf_name, value in bridge.to_hf(mcore_name, tensor):
-                    pending[hf_name] = value
-            del loaded
-            tensors = {name: pending.pop(name).to(dtype).contiguous() for name in names}
-            save_file(tensors, str(out / filename), metadata={"format": "pt"})
-            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            total_params += sum(t.numel() for t in tensors.values())
+                    tensor = reader.read({mcore_name: piece})[mcore_name]
+                    for hf_name, value in bridge.to_hf(mcore_name, tensor):
+                        if hf_name in wanted:
+                            writer.write(hf_name, value)
+                        else:
+                            pending[hf_name] = value.to(dtype).clone()
+                        if bar is not None:
+                            bar.update(1)
+                    del tensor
+            finally:
+                writer.close()
+            total_bytes += writer.size
+            total_params += sum(math.prod(plan.shapes[n]) for n in names)
             weight_map.update(dict.fromkeys(names, filename))
-            del tensors
             log.info("export: wrote %s (%d/%d)", filename, number, len(plan.files))
-            if bar is not None:
-                bar.update(1)
     finally:
         if bar is not None:
             bar.close()

@@ -277,6 +277,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         self._lock: layout.DirectoryLock | None = None
         self._heartbeat: threading.Event | None = None
         self._preempted: int | None = None
+        self._flag_group: Any = None
         self._previous_handlers: dict[int, Any] = {}
         # Rank 0: commits run in order on one background thread; their figures are logged from
         # the training thread when they are done.
@@ -395,7 +396,13 @@ class MegatronCheckpoint(ModelCheckpoint):
             return
         # Installed after Lightning's own handlers (which raise at the next step): the run
         # finishes the step, saves, and ends cleanly instead.
+        import torch.distributed as dist
+
         self._preempted = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Collective (every rank starts training here); the default group when it is gloo.
+            cpu = dist.get_backend() == "gloo"
+            self._flag_group = dist.group.WORLD if cpu else dist.new_group(backend="gloo")
         for signum in _PREEMPTION_SIGNALS:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_preemption_signal)
@@ -411,14 +418,16 @@ class MegatronCheckpoint(ModelCheckpoint):
         self._previous_handlers = {}
 
     def _preemption_requested(self, trainer: pl.Trainer) -> bool:
-        # Any rank's signal stops every rank at the same step.
+        # Any rank's signal stops every rank at the same step. The flag travels over a CPU
+        # (gloo) group: an all-reduce on the GPU would synchronise the device at every step.
         import torch.distributed as dist
 
-        flag = torch.tensor(
-            [0 if self._preempted is None else self._preempted], device=trainer.strategy.root_device
-        )
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self._preempted is not None
+        if self._flag_group is None:
+            return self._preempted is not None
+        flag = torch.tensor([0 if self._preempted is None else self._preempted])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
         signum = int(flag.item())
         if signum and self._preempted is None:
             self._preempted = signum

@@ -1,0 +1,1 @@
+"""Save/load benchmarks of lightning-mcore-ckpt against the disk and the alternatives."""

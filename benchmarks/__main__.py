@@ -1,0 +1,328 @@
+"""``python -m benchmarks``: save/load speed against the disk's limit and the alternatives.
+
+Everything is measured in one run, on one machine, side by side: report medians and ratios, not
+single absolute times (these machines are shared and noisy). Writes
+``benchmarks/results/<date>-<host>.json``, a Markdown table next to it, and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+
+
+def disk_limit(directory: Path, size: int, repeats: int) -> dict[str, Any]:
+    """Sequential write with fsync, and read (cold when the kernel drops the file's pages)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "disk-limit.bin"
+    block = os.urandom(8 * MiB)
+    writes, reads, cold = [], [], hasattr(os, "posix_fadvise")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(max(1, size // len(block))):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        writes.append(time.perf_counter() - start)
+        written = path.stat().st_size
+        with open(path, "rb") as f:
+            if cold:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            while f.read(8 * MiB):
+                pass
+        reads.append(time.perf_counter() - start)
+    path.unlink()
+    w, r = sorted(writes)[len(writes) // 2], sorted(reads)[len(reads) // 2]
+    return {
+        "bytes": written,
+        "write_gbps": written / w / 1e9,
+        "read_gbps": written / r / 1e9,
+        "read_cache": "cold (posix_fadvise DONTNEED)" if cold else "warm",
+    }
+
+
+def _hf_sizes(quick: bool) -> list[int]:
+    return [128] if quick else [256, 512, 1024]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks import workloads
+    from lightning_mcore_ckpt.testing import run_distributed
+
+    scratch = Path(args.dir).resolve()
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    sizes = ["quick"] if args.quick else args.sizes.split(",") + (["4G"] if args.big else [])
+    procs = [1] if args.quick else [int(p) for p in args.procs.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    results: dict[str, Any] = {
+        "machine": {
+            "host": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "checkpoint_dir": str(scratch),
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "runs": [],
+    }
+    for size in sizes:
+        hidden, layers = workloads.SIZES[size]
+        state_bytes = 3 * 4 * (12 * layers * hidden * hidden)  # weights + 2 Adam moments
+        limit = disk_limit(scratch, max(state_bytes, 64 * MiB), repeats)
+        for world in procs:
+            print(f"== state {size}, {world} process(es)", flush=True)
+            cfg = {
+                "size": size,
+                "repeats": repeats + 1,
+                "every": 1 if args.quick else 3,
+                "dir": str(scratch / f"{size}-{world}"),
+            }
+            figures = run_distributed(workloads.save_load, world, cfg, timeout=3600)[0]
+            overhead = run_distributed(
+                workloads.step_overhead,
+                world,
+                {"size": size, "steps": 6 if args.quick else 12, "dir": cfg["dir"]},
+                timeout=3600,
+            )[0]
+            results["runs"].append(
+                {
+                    "size": size,
+                    "world": world,
+                    "limit": limit,
+                    "methods": figures,
+                    "step_overhead": overhead,
+                }
+            )
+            shutil.rmtree(cfg["dir"], ignore_errors=True)
+    results["hf_export"] = hf_export_scaling(scratch, args.quick)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
+    from benchmarks import workloads
+    from lightning_mcore_ckpt import hf
+    from lightning_mcore_ckpt.testing import run_distributed
+    from lightning_mcore_ckpt.tiny import tiny_hf_model
+
+    rows = []
+    for hidden in _hf_sizes(quick):
+        root = scratch / f"hf-{hidden}"
+        tiny_hf_model(
+            root / "src",
+            "qwen2",
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_layers=4,
+            num_heads=max(2, hidden // 64),
+            num_kv_heads=max(1, hidden // 128),
+            vocab_size=4096,
+        )
+        hf.import_checkpoint(root / "src", root / "imported")
+        figures = run_distributed(workloads.hf_export, 1, {"dir": str(root)}, timeout=3600)[0]
+        figures["hidden"] = hidden
+        rows.append(figures)
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def _row(name: str, m: dict[str, Any], limit: dict[str, Any], sync_save: float) -> dict[str, Any]:
+    save = m["save_s"]["median"]
+    out = {
+        "method": name,
+        "save_s": save,
+        "save_spread": (m["save_s"]["min"], m["save_s"]["max"]),
+        "blocking_s": m["blocking_s"]["median"],
+        "blocking_of_sync": m["blocking_s"]["median"] / sync_save,
+        "bytes": m["bytes"],
+        "save_gbps": m["bytes"] / save / 1e9,
+        "save_vs_limit": m["bytes"] / save / 1e9 / limit["write_gbps"],
+        "peak_rss_mib": m["peak_rss_extra"] / MiB,
+    }
+    if "load_s" in m:
+        load = m["load_s"]["median"]
+        out.update(
+            load_s=load,
+            load_gbps=m["bytes"] / load / 1e9,
+            load_vs_limit=m["bytes"] / load / 1e9 / limit["read_gbps"],
+        )
+    return out
+
+
+def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
+    lines = [
+        f"Measured {results['date']} on {results['machine']['host']} "
+        f"({results['machine']['cpus']} CPUs, {results['machine']['platform']}).",
+        "",
+    ]
+    verdicts = []
+    for run_ in results["runs"]:
+        limit, methods = run_["limit"], run_["methods"]
+        sync_save = methods["ours-sync"]["save_s"]["median"]
+        lines += [
+            f"### State {run_['size']}, {run_['world']} process(es)",
+            "",
+            f"Disk limit: write {limit['write_gbps']:.3f} GB/s with fsync, read "
+            f"{limit['read_gbps']:.3f} GB/s ({limit['read_cache']}), "
+            f"{limit['bytes'] / MiB:.0f} MiB file.",
+            "",
+            "| method | save s (median, min-max) | blocking s | blocking / sync save | GB/s | x disk limit | load s | load x read limit | peak extra RSS MiB |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        rows = [
+            _row(name, m, limit, sync_save)
+            for name, m in methods.items()
+            if isinstance(m, dict) and "save_s" in m
+        ]
+        for r in rows:
+            load = f"{r['load_s']:.3f}" if "load_s" in r else "-"
+            load_ratio = f"{r['load_vs_limit']:.2f}" if "load_s" in r else "-"
+            lines.append(
+                f"| {r['method']} | {r['save_s']:.3f} ({r['save_spread'][0]:.3f}-"
+                f"{r['save_spread'][1]:.3f}) | {r['blocking_s']:.3f} | {r['blocking_of_sync']:.2f} "
+                f"| {r['save_gbps']:.3f} | {r['save_vs_limit']:.2f} | {load} | {load_ratio} | "
+                f"{r['peak_rss_mib']:.0f} |"
+            )
+        by = {r["method"]: r for r in rows}
+        ours, raw = by["ours-sync"], by["raw dist_checkpointing"]
+        write = methods["ours-sync"]["write_s"]["median"]
+        lines += [
+            "",
+            f"Where a sync save's {sync_save:.3f} s go: {write:.3f} s writing shards and extra "
+            f"state (the slowest rank), {sync_save - write:.3f} s planning, staging, finalising "
+            "and committing.",
+        ]
+        step = run_["step_overhead"]
+        overhead = step["callback_s"] / step["step_s"]
+        lines += [
+            "",
+            f"Step time {step['step_s'] * 1e3:.1f} ms; the callback's own work on a step without "
+            f"a save: {step['callback_s'] * 1e6:.0f} us ({overhead:.3%} of the step).",
+            "",
+        ]
+        tag = f"{run_['size']}/{run_['world']}p"
+        checks = [
+            (
+                f"{tag}: sync save >= 0.8 x disk limit",
+                ours["save_vs_limit"] >= 0.8,
+                f"{ours['save_vs_limit']:.2f}",
+            ),
+            (
+                f"{tag}: sync save >= raw dist_checkpointing",
+                ours["save_gbps"] >= raw["save_gbps"],
+                f"{ours['save_gbps'] / raw['save_gbps']:.2f}x",
+            ),
+            (
+                f"{tag}: sync save >= torch.save",
+                ours["save_gbps"] >= by["torch.save (Lightning default)"]["save_gbps"],
+                f"{ours['save_gbps'] / by['torch.save (Lightning default)']['save_gbps']:.2f}x",
+            ),
+            (
+                f"{tag}: overhead over raw <= 5 %",
+                ours["save_s"] <= 1.05 * raw["save_s"],
+                f"{ours['save_s'] / raw['save_s'] - 1:+.1%}",
+            ),
+            (
+                f"{tag}: async blocking <= 10 % of sync save",
+                by["ours-async"]["blocking_of_sync"] <= 0.10,
+                f"{by['ours-async']['blocking_of_sync']:.1%}",
+            ),
+            (f"{tag}: callback step overhead < 1 %", overhead < 0.01, f"{overhead:+.1%}"),
+            (
+                f"{tag}: load >= 0.8 x read limit",
+                ours.get("load_vs_limit", 0) >= 0.8,
+                f"{ours.get('load_vs_limit', 0):.2f}",
+            ),
+        ]
+        for name, ok, value in checks:
+            verdicts.append(f"{'MET ' if ok else 'MISSED'}  {name}  ({value})")
+    lines += [
+        "### Hugging Face export",
+        "",
+        "| hidden | export s | bytes | largest tensor MiB | peak extra RSS MiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results["hf_export"]:
+        lines.append(
+            f"| {r['hidden']} | {r['seconds']:.3f} | {r['bytes']} | "
+            f"{r['largest_tensor_bytes'] / MiB:.1f} | {r['peak_rss_extra'] / MiB:.0f} |"
+        )
+    lines += ["", "### Targets", "", "```", *verdicts, "```", ""]
+    return "\n".join(lines), verdicts
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [n for n, v in runs[0]["methods"].items() if isinstance(v, dict)]
+    width = 0.8 / len(runs)
+    for i, run_ in enumerate(runs):
+        m = run_["methods"]
+        xs = [j + i * width for j in range(len(names))]
+        label = f"{run_['size']}, {run_['world']}p"
+        axes[0].bar(xs, [m[n]["save_s"]["median"] for n in names], width, label=label)
+        axes[1].bar(
+            xs, [m[n]["bytes"] / m[n]["save_s"]["median"] / 1e9 for n in names], width, label=label
+        )
+        axes[1].axhline(run_["limit"]["write_gbps"], color=f"C{i}", ls="--", lw=1)
+    for ax, title in zip(
+        axes, ("save time (s, median)", "save throughput (GB/s; dashed: disk)"), strict=True
+    ):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
+        ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--sizes", default="256M,1G", help="states to measure (256M, 1G, 4G)")
+    parser.add_argument("--big", action="store_true", help="also the ~4 GiB state")
+    parser.add_argument("--procs", default="1,2", help="process counts (TP = processes)")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions per measurement")
+    parser.add_argument("--quick", action="store_true", help="a tiny state, once: seconds")
+    parser.add_argument("--dir", default=str(HERE / ".scratch"), help="checkpoint filesystem")
+    parser.add_argument("--out", default=str(HERE / "results"), help="where results go")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sizes.split(",") if s not in ("256M", "1G", "4G")]
+    if unknown:
+        parser.error(f"--sizes {args.sizes}: unknown {unknown}; use 256M, 1G, 4G")
+    results = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['date'][:10]}-{results['machine']['host']}" + ("-quick" if args.quick else "")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    table, _ = tables(results)
+    (out / f"{stem}.md").write_text(table)
+    chart(results, out / f"{stem}.png")
+    print(table)
+    print(f"results: {out / stem}.json / .md / .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""What each benchmark process runs (inside every rank of a ``run_distributed`` job)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# hidden size, layers: model + AdamW state of about 256 MiB, 1 GiB, 4 GiB (fp32, 3 copies).
+SIZES = {"quick": (128, 2), "256M": (512, 7), "1G": (1024, 7), "4G": (2048, 7)}
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level when started (sampled)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._interval = interval
+        self.base = self._proc.memory_info().rss
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a checkpoint's files from the page cache, so that a load reads the disk."""
+    for file in Path(path).rglob("*"):
+        if file.is_file() and hasattr(os, "posix_fadvise"):
+            with open(file, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
+    gc.collect()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    return seconds, rss.extra
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def _module(size: str) -> Any:
+    from lightning_mcore_ckpt.tiny import TinyGPTModule, tiny_gpt
+
+    hidden, layers = SIZES[size]
+
+    class Sized(TinyGPTModule):  # type: ignore[misc]
+        def configure_model(self) -> None:
+            if self.gpt is None:
+                self.gpt = tiny_gpt(
+                    hidden_size=hidden,
+                    ffn_hidden_size=4 * hidden,
+                    num_attention_heads=max(1, hidden // 64),
+                    num_layers=layers,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                )
+
+    return Sized(dropout=0.0)
+
+
+def _trainer(max_steps: int, tp: int, world: int, callbacks: list[Any], async_save: bool) -> Any:
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt import MegatronStrategy
+
+    return pl.Trainer(
+        strategy=MegatronStrategy(tensor_model_parallel_size=tp, ckpt_async_save=async_save),
+        accelerator="cpu",
+        devices=world,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=any(type(c).__name__ == "MegatronCheckpoint" for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+def _loader() -> Any:
+    from torch.utils.data import DataLoader
+
+    from lightning_mcore_ckpt.tiny import TokenDataset
+
+    return DataLoader(TokenDataset(256), batch_size=2)
+
+
+def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every method's save and load of the same state; returns rank 0's figures."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from megatron.core import dist_checkpointing
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, layout
+
+    size, repeats, root = cfg["size"], cfg["repeats"], Path(cfg["dir"])
+    tp = world
+    out: dict[str, Any] = {"size": size, "world": world}
+
+    # 1. This package, through a real Trainer: figures from each committed step's metadata.
+    # Saves three steps apart, so that an async write finishes before the next save (as it
+    # does in real runs, where saves are minutes apart).
+    every = cfg.get("every", 3)
+    for mode in ("sync", "async"):
+        dirpath = root / f"ours-{mode}"
+        module = _module(size)
+        callback = MegatronCheckpoint(dirpath, every_n_train_steps=every, save_last=False)
+        with PeakRSS() as rss:
+            trainer = _trainer(repeats * every, tp, world, [callback], mode == "async")
+            trainer.fit(module, train_dataloaders=_loader())
+        if rank == 0:
+            metas = [layout.read_metadata(s.path) or {} for s in layout.complete_steps(dirpath)]
+            out[f"ours-{mode}"] = {
+                "save_s": _summary([m["total_time_s"] for m in metas]),
+                "blocking_s": _summary([m["blocking_time_s"] for m in metas]),
+                "write_s": _summary([m["write_time_s"] for m in metas]),
+                "bytes": metas[-1]["size_bytes"],
+                "peak_rss_extra": rss.extra,
+            }
+        if mode == "sync":
+            strategy = trainer.strategy
+            last = layout.resolve_last(dirpath, verify=False)
+            assert last is not None
+            loads = []
+            for _ in range(repeats):
+                drop_cache(last)
+                seconds, extra = _timed(lambda p=last, s=strategy: s.load_checkpoint(p))
+                loads.append(seconds)
+            if rank == 0:
+                out["ours-sync"]["load_s"] = _summary(loads)
+                out["ours-sync"]["load_peak_rss_extra"] = extra
+            keep = (trainer, module, strategy)
+    trainer, module, strategy = keep
+    optimizer = strategy._torch_optimizers()[0]
+
+    def model_ssd() -> dict[str, Any]:
+        return strategy.model_sharded_state_dict()
+
+    def optim_ssd() -> dict[str, Any]:
+        return strategy._optimizer_sharded_state_dict(strategy.model_sharded_state_dict())
+
+    def fresh(name: str) -> Path:
+        path = root / name
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+        dist.barrier()
+        return path
+
+    # 2. Raw Megatron-Core dist_checkpointing of the same sharded state dicts.
+    saves, loads, bytes_ = [], [], 0
+    for i in range(repeats):
+        path = fresh(f"raw-{i}")
+        (path / "model").mkdir(exist_ok=True)
+        (path / "optim").mkdir(exist_ok=True)
+        dist.barrier()
+
+        def raw_save(path: Path = path) -> None:
+            dist_checkpointing.save(model_ssd(), str(path / "model"))
+            dist_checkpointing.save(optim_ssd(), str(path / "optim"))
+            dist.barrier()
+
+        seconds, save_extra = _timed(raw_save)
+        saves.append(seconds)
+        bytes_ = tree_bytes(path)
+
+        drop_cache(path)
+
+        def raw_load(path: Path = path) -> None:
+            dist_checkpointing.load(model_ssd(), str(path / "model"))
+            strategy._load_optimizers(path / "optim")
+
+        seconds, load_extra = _timed(raw_load)
+        loads.append(seconds)
+    out["raw dist_checkpointing"] = {
+        "save_s": _summary(saves),
+        "blocking_s": _summary(saves),
+        "load_s": _summary(loads),
+        "bytes": bytes_,
+        "peak_rss_extra": save_extra,
+        "load_peak_rss_extra": load_extra,
+    }
+
+    # 3. Lightning's default TorchCheckpointIO: torch.save of the whole checkpoint (one file per
+    #    rank: each holds its tensor-parallel shard), plus the fsync that makes it durable.
+    io = TorchCheckpointIO()
+    state = {"state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+    saves, loads = [], []
+    for i in range(repeats):
+        path = fresh(f"torch-save-{i}") / f"rank_{rank}.ckpt"
+
+        def torch_save(path: Path = path) -> None:
+            io.save_checkpoint(state, path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            dist.barrier()
+
+        seconds, save_extra = _timed(torch_save)
+        saves.append(seconds)
+        drop_cache(path.parent)
+        seconds, load_extra = _timed(lambda path=path: io.load_checkpoint(path))
+        loads.append(seconds)
+        bytes_ = path.stat().st_size * world
+    out["torch.save (Lightning default)"] = {
+        "save_s": _summary(saves),
+        "blocking_s": _summary(saves),
+        "load_s": _summary(loads),
+        "bytes": bytes_,
+        "peak_rss_extra": save_extra,
+        "load_peak_rss_extra": load_extra,
+    }
+
+    # 4. Plain torch.distributed.checkpoint of the same state (keys made per rank, since each
+    #    rank holds different tensor-parallel shards under the same names).
+    flat = {f"r{rank}.{k}": v for k, v in module.state_dict().items()}
+    opt_state = {
+        f"r{rank}.opt.{i}.{k}": v
+        for i, s in enumerate(optimizer.state.values())
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
+    plain = {**flat, **opt_state}
+    saves, loads = [], []
+    for i in range(repeats):
+        path = fresh(f"dcp-{i}")
+        seconds, save_extra = _timed(lambda path=path: dcp.save(plain, checkpoint_id=str(path)))
+        saves.append(seconds)
+        bytes_ = tree_bytes(path)
+        drop_cache(path)
+        seconds, load_extra = _timed(lambda path=path: dcp.load(plain, checkpoint_id=str(path)))
+        loads.append(seconds)
+    out["torch.distributed.checkpoint"] = {
+        "save_s": _summary(saves),
+        "blocking_s": _summary(saves),
+        "load_s": _summary(loads),
+        "bytes": bytes_,
+        "peak_rss_extra": save_extra,
+        "load_peak_rss_extra": load_extra,
+    }
+    return out
+
+
+def step_overhead(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Time the callback's own per-step work on steps where nothing is saved, and the step.
+
+    Measured directly (a timer around the callback's batch-end hook) rather than as the
+    difference of two runs' step times, which machine noise swamps.
+    """
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt import MegatronCheckpoint
+
+    steps: list[float] = []
+    hook: list[float] = []
+
+    class Clock(pl.Callback):
+        last: float | None = None
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            now = time.perf_counter()
+            if self.last is not None:
+                steps.append(now - self.last)
+            self.last = now
+
+    callback = MegatronCheckpoint(
+        Path(cfg["dir"]) / "overhead", every_n_train_steps=10**9, save_last=False
+    )
+    original = callback.on_train_batch_end
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        original(*args, **kwargs)
+        hook.append(time.perf_counter() - start)
+
+    callback.on_train_batch_end = timed  # type: ignore[method-assign]
+    trainer = _trainer(cfg["steps"], world, world, [Clock(), callback], async_save=False)
+    trainer.fit(_module(cfg["size"]), train_dataloaders=_loader())
+    return {"step_s": statistics.median(steps), "callback_s": statistics.median(hook[1:])}
+
+
+def hf_export(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Time and peak memory of an HF export of a saved step (one process, no group)."""
+    from lightning_mcore_ckpt import hf
+
+    root = Path(cfg["dir"])
+    out = root / "exported"
+    shutil.rmtree(out, ignore_errors=True)
+    seconds, extra = _timed(
+        lambda: hf.export_checkpoint(root / "imported", root / "src", out, progress=False)
+    )
+    from safetensors import safe_open
+
+    largest = 0
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                t = f.get_slice(key)
+                shape = t.get_shape()
+                largest = max(largest, int(torch.tensor(shape).prod().item()) * 4)
+    return {
+        "seconds": seconds,
+        "peak_rss_extra": extra,
+        "bytes": tree_bytes(out),
+        "largest_tensor_bytes": largest,
+    }

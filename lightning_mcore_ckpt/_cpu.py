@@ -27,6 +27,9 @@ at all. Each adaptation below is the smallest that makes the stock code path run
   tensor, so training could mutate what the background writer is about to write. On CPU,
   staging copies, which is what the device-to-host copy does on GPU.
 
+* **Model configs.** :func:`transformer_config_overrides` turns off the fused kernels (CUDA
+  only) and asks for CPU initialisation in configs built from a Hugging Face model.
+
 What is *not* made to work here, and is avoided by the callers instead: Megatron's own optimizers
 (they allocate on ``"cuda"``; use torch optimizers on CPU) and
 ``FullyParallelLoadStrategyWrapper`` (its exchange allocates on the literal ``"cuda"``; on CPU the
@@ -44,7 +47,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["cuda_available", "install", "installed", "parallel_load_supported"]
+__all__ = [
+    "cuda_available",
+    "install",
+    "installed",
+    "parallel_load_supported",
+    "transformer_config_overrides",
+]
 
 _lock = threading.Lock()
 _installed = False
@@ -63,6 +72,21 @@ def installed() -> bool:
 def parallel_load_supported() -> bool:
     """Whether ``FullyParallelLoadStrategyWrapper`` can run here (it needs CUDA)."""
     return cuda_available()
+
+
+def transformer_config_overrides() -> dict[str, Any]:
+    """``TransformerConfig`` fields a CPU run needs (none with CUDA): no fused CUDA kernels."""
+    if cuda_available():
+        return {}
+    return {
+        "use_cpu_initialization": True,
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "sequence_parallel": False,
+    }
 
 
 def install() -> bool:

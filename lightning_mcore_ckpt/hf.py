@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt import _cpu, layout
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -236,8 +236,9 @@ class HFBridge:
     def transformer_config(self, **overrides: Any) -> TransformerConfig:
         """The Megatron-Core ``TransformerConfig`` of this model for the current parallel layout.
 
-        mbridge's config, made runnable where it is not by default: CPU initialisation without
-        CUDA, sequence parallelism only with tensor parallelism. ``overrides`` win.
+        mbridge's config, made runnable where it is not by default: sequence parallelism only
+        with tensor parallelism, and on CPU what :mod:`lightning_mcore_ckpt._cpu` requires.
+        ``overrides`` win.
         """
         from megatron.core import parallel_state
 
@@ -256,16 +257,7 @@ class HFBridge:
         settings["params_dtype"] = self.dtype
         settings["bf16"] = self.dtype is torch.bfloat16
         settings["fp16"] = self.dtype is torch.float16
-        if not torch.cuda.is_available():
-            settings.update(
-                use_cpu_initialization=True,
-                masked_softmax_fusion=False,
-                bias_activation_fusion=False,
-                bias_dropout_fusion=False,
-                apply_rope_fusion=False,
-                gradient_accumulation_fusion=False,
-                sequence_parallel=False,
-            )
+        settings.update(_cpu.transformer_config_overrides())
         settings.update(overrides)
         config = self.bridge.config
         return dataclasses.replace(config, **settings)

@@ -55,8 +55,9 @@ def disk_limit(directory: Path, size: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def _hf_sizes(quick: bool) -> list[int]:
-    return [128] if quick else [256, 512, 1024]
+def _hf_sizes(quick: bool) -> list[tuple[int, int]]:
+    """(hidden, layers): depth grows at a fixed width, then width grows."""
+    return [(128, 2)] if quick else [(512, 2), (512, 8), (512, 32), (1024, 8)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,14 +123,14 @@ def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
     rows = []
-    for hidden in _hf_sizes(quick):
-        root = scratch / f"hf-{hidden}"
+    for hidden, layers in _hf_sizes(quick):
+        root = scratch / f"hf-{hidden}-{layers}"
         tiny_hf_model(
             root / "src",
             "qwen2",
             hidden_size=hidden,
             intermediate_size=4 * hidden,
-            num_layers=4,
+            num_layers=layers,
             num_heads=max(2, hidden // 64),
             num_kv_heads=max(1, hidden // 128),
             vocab_size=4096,
@@ -137,6 +138,7 @@ def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
         hf.import_checkpoint(root / "src", root / "imported")
         figures = run_distributed(workloads.hf_export, 1, {"dir": str(root)}, timeout=3600)[0]
         figures["hidden"] = hidden
+        figures["layers"] = layers
         rows.append(figures)
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -252,19 +254,25 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
         ]
         for name, ok, value in checks:
             verdicts.append(f"{'MET ' if ok else 'MISSED'}  {name}  ({value})")
-    lines += [
-        "### Hugging Face export",
-        "",
-        "| hidden | export s | bytes | largest tensor MiB | peak extra RSS MiB |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in results["hf_export"]:
-        lines.append(
-            f"| {r['hidden']} | {r['seconds']:.3f} | {r['bytes']} | "
-            f"{r['largest_tensor_bytes'] / MiB:.1f} | {r['peak_rss_extra'] / MiB:.0f} |"
-        )
+    lines += hf_table(results["hf_export"])
     lines += ["", "### Targets", "", "```", *verdicts, "```", ""]
     return "\n".join(lines), verdicts
+
+
+def hf_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "### Hugging Face export",
+        "",
+        "| hidden | layers | model MiB | export s | largest slice MiB | peak extra RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['hidden']} | {r.get('layers', '-')} | {r['bytes'] / MiB:.0f} | "
+            f"{r['seconds']:.3f} | {r['largest_tensor_bytes'] / MiB:.1f} | "
+            f"{r['peak_rss_extra'] / MiB:.0f} |"
+        )
+    return lines
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
@@ -307,7 +315,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny state, once: seconds")
     parser.add_argument("--dir", default=str(HERE / ".scratch"), help="checkpoint filesystem")
     parser.add_argument("--out", default=str(HERE / "results"), help="where results go")
+    parser.add_argument(
+        "--only-hf-export", action="store_true", help="only the Hugging Face export scaling"
+    )
     args = parser.parse_args(argv)
+    if args.only_hf_export:
+        scratch = Path(args.dir).resolve()
+        shutil.rmtree(scratch, ignore_errors=True)
+        sys.path.insert(0, str(HERE.parent))
+        rows = hf_export_scaling(scratch, args.quick)
+        shutil.rmtree(scratch, ignore_errors=True)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"{datetime.date.today()}-{socket.gethostname()}-hf-export"
+        (out / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+        table = "\n".join(hf_table(rows)) + "\n"
+        (out / f"{stem}.md").write_text(table)
+        print(table)
+        return 0
     unknown = [s for s in args.sizes.split(",") if s not in ("256M", "1G", "4G")]
     if unknown:
         parser.error(f"--sizes {args.sizes}: unknown {unknown}; use 256M, 1G, 4G")

@@ -361,6 +361,8 @@ class MegatronCheckpoint(ModelCheckpoint):
         # or by an earlier run that stopped before exporting.
         if self.hf_export is None or self.hf_export.when != "end" or trainer.global_step == 0:
             return
+        if self._preempted is not None:
+            return  # a preempted fit is not the end of training: the resumed run exports
         if not trainer.is_global_zero:
             return
         from lightning_mcore_ckpt import hf
@@ -530,7 +532,9 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        export_at_end = self.hf_export is not None and self.hf_export.when == "end"
+        export_at_end = (
+            self.hf_export is not None and self.hf_export.when == "end" and self._preempted is None
+        )
         if (
             (self.save_final or export_at_end)
             and trainer.global_step > 0

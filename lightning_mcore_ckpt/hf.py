@@ -934,6 +934,8 @@ def import_checkpoint(
         raise RuntimeError("import_checkpoint runs on one process (world size 1)")
     created_dist = not dist.is_initialized()
     created_mp = not parallel_state.model_parallel_is_initialized()
+    launch_env = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved_env = {k: os.environ.get(k) for k in launch_env}
     if created_mp:
         if created_dist:
             from lightning_mcore_ckpt.testing import find_free_port
@@ -985,6 +987,13 @@ def import_checkpoint(
             parallel_state.destroy_model_parallel()
         if created_dist:
             dist.destroy_process_group()
+        # A launcher started after this (e.g. Lightning's) must not mistake this process for
+        # one of its ranks.
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return {"tensors": count, "path": str(target), "seconds": time.perf_counter() - start}
 
 

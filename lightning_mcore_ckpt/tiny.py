@@ -27,6 +27,7 @@ __all__ = [
     "TINY_VOCAB",
     "HFGPTModule",
     "TinyGPTModule",
+    "TokenDataModule",
     "TokenDataset",
     "tiny_gpt",
     "tiny_gpt_config",
@@ -187,6 +188,40 @@ class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = self.tokens[index]
         return row[:-1], row[1:]
+
+
+def _datamodule_base() -> type:
+    import lightning.pytorch as pl
+
+    return pl.LightningDataModule
+
+
+class TokenDataModule(_datamodule_base()):  # type: ignore[misc]
+    """:class:`TokenDataset` batches from a resumable, shuffling ``StatefulDataLoader``.
+
+    Example (a LightningCLI config)::
+
+        data:
+          class_path: lightning_mcore_ckpt.tiny.TokenDataModule
+          init_args: {num_samples: 64, batch_size: 4}
+    """
+
+    def __init__(self, num_samples: int = 64, batch_size: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        generator = torch.Generator().manual_seed(self.seed)
+        return StatefulDataLoader(
+            TokenDataset(self.num_samples),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=generator,
+        )
 
 
 def _lightning_module_base() -> type:

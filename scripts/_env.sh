@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$sta
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      -c "$ROOT/constraints.txt" -e "$ROOT[dev,wandb,plot]"
+      -c "$ROOT/constraints.txt" -e "$ROOT[dev,wandb,plot,cli]"
   echo "$stamp" > "$VENV/.stamp"
 fi
 export PATH="$VENV/bin:$PATH"

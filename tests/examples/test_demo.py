@@ -1,4 +1,4 @@
-"""The README's demo command trains with TP=2 on 2 processes and writes a checkpoint."""
+"""The README's demo: train, preempt, resume exactly, export once, ls and report."""
 
 from __future__ import annotations
 
@@ -12,24 +12,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(240)
-def test_demo_trains_tp2_and_prints_where_the_checkpoint_is(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_demo_tells_the_whole_story_and_checks_it(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "2", "--out", str(out)],
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "4", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=280,
         cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    step_dir = out / "global_step_2"
-    assert f"checkpoint: {step_dir}" in result.stdout
-    assert "trained 2 steps with TP=2 on 2 processes" in result.stdout
-    assert (step_dir / "model" / ".metadata").is_file()
-    assert (step_dir / "optim" / ".metadata").is_file()
-    assert sorted(p.name for p in (step_dir / "extra").iterdir()) == [
-        "rank_00000.pt",
-        "rank_00001.pt",
-    ]
+    stdout = result.stdout
+    assert "preempted after step 2 (SIGTERM), saved, exited cleanly" in stdout
+    assert "resumed at step 2, trained to step 4" in stdout
+    assert "resumed run matches the uninterrupted one bit for bit: True" in stdout
+    # One Hugging Face copy, in the final step only (the preempted save exported nothing).
+    run = out / "run"
+    assert sorted(p.parent.name for p in run.glob("global_step_*/huggingface")) == ["global_step_4"]
+    assert "global_step_4     " in stdout and "huggingface  (last)" in stdout  # ls
+    assert '* "last": what trainer.fit(ckpt_path="last") resumes from' in stdout  # report
+    assert (out / "saves.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"Hugging Face copy: {run / 'global_step_4' / 'huggingface'}" in stdout
+    assert "transformers generates: 'a b c" in stdout

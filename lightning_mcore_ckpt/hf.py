@@ -86,6 +86,14 @@ class HFExport:
             exported that step does not again). ``"every_save"``: into every step.
             ``"never"``: only steps whose ``save_contents`` include ``"hf_model"``.
         dtype: dtype of the exported weights (default: the checkpoint's).
+
+    Example::
+
+        MegatronCheckpoint(
+            "checkpoints/sft",
+            every_n_train_steps=500,
+            hf_export=HFExport("Qwen2.5-0.5B", when="end", dtype=torch.bfloat16),
+        )
     """
 
     hf_model_path: str | os.PathLike[str]
@@ -112,7 +120,13 @@ class HFExport:
 
 
 def supported_model_types() -> list[str]:
-    """Hugging Face ``model_type`` values mbridge can convert."""
+    """Hugging Face ``model_type`` values mbridge can convert.
+
+    Example::
+
+        >>> "qwen2" in supported_model_types()
+        True
+    """
     import mbridge  # noqa: F401 - registers the model families
     from mbridge.core.bridge import _MODEL_REGISTRY
 
@@ -134,6 +148,11 @@ class HFBridge:
     checkpoint-level converter needs: layer-stacked checkpoint names, vocabulary padding, shape
     checks against the Hugging Face config, and a model builder that works without Transformer
     Engine.
+
+    Example::
+
+        bridge = HFBridge("Qwen2.5-0.5B")  # in LightningModule.configure_model
+        self.model = bridge.gpt_model(bridge.transformer_config())
     """
 
     def __init__(
@@ -557,6 +576,10 @@ def export_checkpoint(
     written: the step is complete (unless ``require_complete=False``), ``out`` is absent or empty
     (or ``overwrite``), the model family is supported and the checkpoint's shapes match the
     Hugging Face config. Returns a summary (tensors, bytes, seconds).
+
+    Example::
+
+        export_checkpoint("checkpoints/sft/global_step_3000", "Qwen2.5-0.5B", "qwen-sft")
     """
     start = time.perf_counter()
     step_path = Path(step).expanduser()
@@ -856,6 +879,10 @@ def load_hf_weights(
     prefixes of the GPT models in it (``"model."`` for ``self.model``). Each rank reads only the layers
     it holds and keeps its tensor-parallel part; tensors are checked against the Hugging Face
     shapes first. Returns the number of tensors loaded.
+
+    Example::
+
+        load_hf_weights(["model."], "Qwen2.5-0.5B", strategy.model_sharded_state_dict)
     """
     bridge = HFBridge(hf_model_path, argument="init_from")
     check_model_matches(bridge, sharded_state_dict(), prefixes, argument="init_from")
@@ -910,6 +937,11 @@ def import_checkpoint(
     (a single-rank group is created when none exists); the model is held in memory once. The
     step gets a ``metadata.json`` (contents ``["model"]``), so ``fit(ckpt_path=out)`` starts
     from these weights with a fresh optimizer and training state.
+
+    Example::
+
+        import_checkpoint("Qwen2.5-0.5B", "init/qwen", prefix="model.")
+        trainer.fit(module, ckpt_path="init/qwen")  # or MegatronStrategy(init_from="init/qwen")
     """
     import torch.distributed as dist
 
@@ -1043,6 +1075,11 @@ def verify_export(
     ``reference`` is another Hugging Face directory, or a step directory (converted on the fly
     with the exported directory's config, cast to its dtypes). Names, shapes and dtypes must be
     equal and values within ``atol`` (0: bit-identical). Streams one file at a time.
+
+    Example::
+
+        result = verify_export("qwen-sft", "checkpoints/sft/global_step_3000")
+        assert result.ok, result.problems
     """
     from safetensors import safe_open
 

@@ -118,7 +118,12 @@ def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> 
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """A step's ``metadata.json`` as a dict, or ``None`` when missing or unreadable."""
+    """A step's ``metadata.json`` as a dict, or ``None`` when missing or unreadable.
+
+    Example::
+
+        read_metadata("checkpoints/run/global_step_100")["total_time_s"]
+    """
     try:
         with open(Path(path) / METADATA_FILE, encoding="utf-8") as f:
             data = json.load(f)
@@ -128,7 +133,12 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether a step directory was committed (its ``metadata.json`` is in place and valid)."""
+    """Whether a step directory was committed (its ``metadata.json`` is in place and valid).
+
+    Example::
+
+        is_complete("checkpoints/run/global_step_100")
+    """
     return read_metadata(path) is not None
 
 
@@ -167,12 +177,22 @@ def _step_dirs(dirpath: Path) -> list[StepDir]:
 
 
 def complete_steps(dirpath: str | os.PathLike[str]) -> list[StepDir]:
-    """The complete ``global_step_<N>`` directories under ``dirpath``, oldest first."""
+    """The complete ``global_step_<N>`` directories under ``dirpath``, oldest first.
+
+    Example::
+
+        [s.step for s in complete_steps("checkpoints/run")]  # e.g. [400, 500]
+    """
     return [s for s in _step_dirs(Path(dirpath)) if is_complete(s.path)]
 
 
 def incomplete_steps(dirpath: str | os.PathLike[str]) -> list[StepDir]:
-    """The ``global_step_<N>`` directories without a commit marker, oldest first."""
+    """The ``global_step_<N>`` directories without a commit marker, oldest first.
+
+    Example::
+
+        [s.path.name for s in incomplete_steps("checkpoints/run")]  # e.g. ["global_step_600"]
+    """
     return [s for s in _step_dirs(Path(dirpath)) if not is_complete(s.path)]
 
 
@@ -220,6 +240,11 @@ def verify_step(path: str | os.PathLike[str]) -> list[str]:
     Checks, without loading tensors: the commit marker; each dist-checkpoint's index and that
     every shard file it names exists with all the bytes it references; one readable
     ``extra/rank_<r>.pt`` per rank of the saving run.
+
+    Example::
+
+        for problem in verify_step("checkpoints/run/global_step_100"):
+            print(problem)  # e.g. ".../model/__0_0.distcp is truncated (10 of 4096 bytes)"
     """
     p = Path(path)
     meta = read_metadata(p)
@@ -249,6 +274,10 @@ def resolve_last(dirpath: str | os.PathLike[str], verify: bool = True) -> Path |
     complete step, the directory scan decides (with a warning saying why). With ``verify``, a
     damaged step (see :func:`verify_step`) is skipped with a warning naming the file, and the
     previous complete step is taken.
+
+    Example::
+
+        step = resolve_last("checkpoints/run")  # .../global_step_<N>, or None
     """
     root = Path(dirpath)
     complete = complete_steps(root)
@@ -290,6 +319,11 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     A ``dirpath`` (no ``model/`` inside) resolves to its newest complete step. A step directory
     inside a managed ``dirpath`` (one with a tracker file or complete steps) must be complete.
     Raises ``FileNotFoundError`` naming the path and the complete steps that exist.
+
+    Example::
+
+        resolve_checkpoint("checkpoints/run")  # its newest complete step
+        resolve_checkpoint("checkpoints/run/global_step_100")  # that step, if complete
     """
     p = Path(path)
     if not p.is_dir():
@@ -398,6 +432,15 @@ class DirectoryLock:
     gone is recovered with a warning: on the same host when the process no longer runs, on
     another host when its heartbeat (the file's mtime, refreshed by :meth:`heartbeat`) is older
     than ``stale_after_s``. Anything else is refused, naming the owner.
+
+    Example::
+
+        lock = DirectoryLock("checkpoints/run")
+        lock.acquire()  # RuntimeError naming the owner if another run holds it
+        try:
+            ...
+        finally:
+            lock.release()
     """
 
     def __init__(self, dirpath: str | os.PathLike[str], stale_after_s: float = 300.0) -> None:

@@ -58,6 +58,10 @@ def tree_bytes(path: str | os.PathLike[str], exclude: Iterable[str] = ()) -> int
 
     Top-level entries named in ``exclude`` are skipped. Walks the tree: call it off the training
     thread.
+
+    Example::
+
+        tree_bytes("checkpoints/run/global_step_100", exclude=["metadata.json"])
     """
     skip = set(exclude)
     total = 0
@@ -89,6 +93,11 @@ def encode_metadata(metadata: Mapping[str, Any], data_bytes: int) -> tuple[str, 
     ``data_bytes`` is the size of everything else in the step directory. Returns the text and
     the metadata it encodes (with ``size_bytes`` and ``throughput_gbps`` filled in), so that
     ``size_bytes`` equals the bytes of the committed directory exactly.
+
+    Example::
+
+        text, filled = encode_metadata({"global_step": 100, "write_time_s": 2.0}, 10**9)
+        assert filled["size_bytes"] == 10**9 + len(text)
     """
     data = dict(metadata)
 
@@ -113,7 +122,13 @@ def encode_metadata(metadata: Mapping[str, Any], data_bytes: int) -> tuple[str, 
 
 
 def save_metrics(metadata: Mapping[str, Any]) -> dict[str, float]:
-    """The ``checkpoint/*`` metrics of one committed step, from its metadata."""
+    """The ``checkpoint/*`` metrics of one committed step, from its metadata.
+
+    Example::
+
+        >>> save_metrics({"blocking_time_s": 0.25, "size_bytes": 100, "hf_export_time_s": None})
+        {'checkpoint/blocking_time_s': 0.25, 'checkpoint/size_bytes': 100.0}
+    """
     out = {}
     for key in METRIC_KEYS:
         value = metadata.get(key)
@@ -123,7 +138,12 @@ def save_metrics(metadata: Mapping[str, Any]) -> dict[str, float]:
 
 
 def log_save_metrics(loggers: Iterable[Any], step: int, metrics: Mapping[str, float]) -> None:
-    """Log ``metrics`` to every Lightning logger at ``step`` (call on global rank 0)."""
+    """Log ``metrics`` to every Lightning logger at ``step`` (call on global rank 0).
+
+    Example::
+
+        log_save_metrics(trainer.loggers, 100, {"checkpoint/total_time_s": 3.2})
+    """
     for logger in loggers:
         logger.log_metrics(dict(metrics), step=step)
 
@@ -134,6 +154,10 @@ def define_wandb_metrics(loggers: Iterable[Any]) -> None:
     Lightning's ``WandbLogger`` sends ``trainer/global_step`` with every row it logs at a step;
     declaring it the step metric of ``checkpoint/*`` puts an async save's figures, which arrive
     later, at the step of the save. Call on global rank 0.
+
+    Example::
+
+        define_wandb_metrics(trainer.loggers)  # MegatronCheckpoint does this at setup
     """
     try:
         from lightning.pytorch.loggers import WandbLogger

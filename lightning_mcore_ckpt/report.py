@@ -39,7 +39,13 @@ class Report:
 
 
 def collect(dirpath: str | os.PathLike[str]) -> Report:
-    """Read the steps of ``dirpath`` (no checkpoint data is loaded)."""
+    """Read the steps of ``dirpath`` (no checkpoint data is loaded).
+
+    Example::
+
+        result = collect("checkpoints/run")
+        print(result.last, [m["global_step"] for m in result.complete], result.damaged)
+    """
     root = Path(dirpath)
     if not root.is_dir():
         raise FileNotFoundError(
@@ -104,7 +110,12 @@ def _layout(value: Any) -> str:
 
 
 def format_table(report: Report) -> str:
-    """The report as a plain-text table, then the incomplete steps."""
+    """The report as a plain-text table, then the incomplete steps.
+
+    Example::
+
+        print(format_table(collect("checkpoints/run")))
+    """
     header = (
         "step",
         "saved at (UTC)",
@@ -159,7 +170,12 @@ def format_table(report: Report) -> str:
 
 
 def plot(report: Report, out: str | os.PathLike[str]) -> None:
-    """Draw save time (blocking, total) and size against step into ``out`` (e.g. a PNG)."""
+    """Draw save time (blocking, total) and size against step into ``out`` (e.g. a PNG).
+
+    Example::
+
+        plot(collect("checkpoints/run"), "saves.png")
+    """
     try:
         import matplotlib
     except ImportError as err:

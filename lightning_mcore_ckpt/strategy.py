@@ -57,12 +57,28 @@ parallel layout that saved it (callbacks read it in ``on_load_checkpoint``)."""
 
 
 class CheckpointSaveError(RuntimeError):
-    """A checkpoint write failed (raised on every rank, naming the step directory)."""
+    """A checkpoint write failed (raised on every rank, naming the step directory).
+
+    Example::
+
+        try:
+            trainer.fit(module, ckpt_path="last")
+        except CheckpointSaveError as err:
+            print(err)  # names the step, the failing rank and the cause
+    """
 
 
 @dataclass(kw_only=True)
 class SaveOptions:
-    """What :meth:`MegatronStrategy.save_checkpoint` writes, passed as ``storage_options``."""
+    """What :meth:`MegatronStrategy.save_checkpoint` writes, passed as ``storage_options``.
+
+    Example::
+
+        trainer.save_checkpoint(
+            "checkpoints/global_step_100",
+            storage_options=SaveOptions(contents=["model"], synchronous=True),
+        )
+    """
 
     contents: Sequence[str] = CONTENTS
     """Subset of ``("model", "optimizer", "extra")`` to write."""

@@ -133,6 +133,13 @@ def run_distributed(
     Raises :class:`DistributedFailure` naming the rank and carrying its traceback when a rank
     raises or dies, and naming the unfinished ranks when ``timeout`` seconds pass. All ranks are
     killed before it raises.
+
+    Example::
+
+        def show_rank(rank, world_size, tmp):
+            return rank
+
+        assert run_distributed(show_rank, 2, "/tmp") == [0, 1]
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")
@@ -198,6 +205,11 @@ def gather_sharded(sharded_state_dict: Mapping[str, Any], group: Any = None) -> 
     result is the same whatever the parallel layout that produced it. Flattened optimizer shards
     (``flattened_range``) are placed into the flattened global tensor. Used to prove that a
     resharded load restored exactly the tensors that were saved.
+
+    Example::
+
+        full = gather_sharded(trainer.strategy.model_sharded_state_dict())
+        torch.equal(full["gpt.embedding.word_embeddings.weight"], expected)
     """
     import torch
     import torch.distributed as dist
@@ -291,7 +303,13 @@ def read_wandb_records(path: str | os.PathLike[str]) -> list[Any]:
 
 
 def read_wandb_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The history rows (what ``run.log`` logged) of an offline W&B run file, in order."""
+    """The history rows (what ``run.log`` logged) of an offline W&B run file, in order.
+
+    Example::
+
+        (run_file,) = Path("wandb").glob("offline-run-*/run-*.wandb")
+        rows = [r for r in read_wandb_history(run_file) if "checkpoint/size_bytes" in r]
+    """
     import json
 
     rows = []
@@ -307,7 +325,14 @@ def read_wandb_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def read_wandb_metric_definitions(path: str | os.PathLike[str]) -> list[dict[str, str]]:
-    """The ``define_metric`` declarations of an offline W&B run file: name or glob, step metric."""
+    """The ``define_metric`` declarations of an offline W&B run file: name or glob, step metric.
+
+    Example::
+
+        assert {"name": "", "glob_name": "checkpoint/*", "step_metric": "trainer/global_step"} in (
+            read_wandb_metric_definitions(run_file)
+        )
+    """
     out = []
     for record in read_wandb_records(path):
         if record.WhichOneof("record_type") == "metric":

@@ -84,6 +84,10 @@ def tiny_gpt(
     Call after ``parallel_state`` is initialised (inside ``LightningModule.configure_model`` when
     training with :class:`~lightning_mcore_ckpt.MegatronStrategy`). The model holds this rank's
     tensor- and pipeline-parallel shard.
+
+    Example::
+
+        model = tiny_gpt(num_layers=4, hidden_dropout=0.0)
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -140,6 +144,10 @@ def tiny_hf_model(
     splits the weights into shards with an index, as large models are published. The directory
     loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline. Returns
     ``path``.
+
+    Example::
+
+        path = tiny_hf_model("/tmp/llama", "llama", tie_word_embeddings=True)
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -176,7 +184,12 @@ def tiny_hf_qwen2(path: str | os.PathLike[str], **kwargs: Any) -> Path:
 
 
 class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """``num_samples`` fixed random token sequences: ``(inputs, labels)`` shifted by one."""
+    """``num_samples`` fixed random token sequences: ``(inputs, labels)`` shifted by one.
+
+    Example::
+
+        DataLoader(TokenDataset(64), batch_size=4, shuffle=True)
+    """
 
     def __init__(self, num_samples: int, seq_len: int = TINY_SEQ_LEN, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -333,6 +346,11 @@ class HFGPTModule(TinyGPTModule):
     random weights: start from the Hugging Face weights with
     ``MegatronStrategy(init_from=hf_model_path)``. Its checkpoint keys start with ``model.``,
     the default prefix of ``lightning-mcore-ckpt import``.
+
+    Example::
+
+        trainer = L.Trainer(strategy=MegatronStrategy(init_from="hf_dir"), max_steps=10)
+        trainer.fit(HFGPTModule("hf_dir"), train_dataloaders=loader)
     """
 
     def __init__(

@@ -15,10 +15,11 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$sta
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      -c "$ROOT/constraints.txt" -e "$ROOT[dev,wandb,plot,cli]"
+      -c "$ROOT/constraints.txt" -e "$ROOT[dev,wandb,plot,cli,docs]"
   echo "$stamp" > "$VENV/.stamp"
 fi
 export PATH="$VENV/bin:$PATH"
 export WANDB_MODE="${WANDB_MODE:-offline}"
 export TOKENIZERS_PARALLELISM=false
+export NO_MKDOCS_2_WARNING=1
 cd "$ROOT"

@@ -440,9 +440,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         source = checkpoint.get(LOADED_FROM_KEY) or {}
-        name = Path(source.get("path", "")).name
-        if name.startswith("global_step_") and name[len("global_step_") :].isdigit():
-            self._resumed_step = int(name[len("global_step_") :])
+        self._resumed_step = layout.step_number(source.get("path", ""))
         saved = source.get("parallel_layout") or {}
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
@@ -770,8 +768,7 @@ class MegatronCheckpoint(ModelCheckpoint):
             except Exception as err:  # noqa: BLE001 - raised or counted by _on_save_failed
                 failure = CheckpointSaveError(f"committing {target} failed: {err}")
                 failure.__cause__ = err
-                step = int(target.name.rsplit("_", 1)[-1]) if target.name[-1:].isdigit() else -1
-                self._on_save_failed(trainer, step, failure)
+                self._on_save_failed(trainer, layout.step_number(target) or -1, failure)
                 continue
             metrics.log_save_metrics(
                 trainer.loggers, metadata["global_step"], metrics.save_metrics(metadata)

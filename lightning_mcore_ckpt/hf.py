@@ -350,8 +350,17 @@ class _CheckpointReader:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        class IndexReadOnce(FileSystemReader):
+            # dcp.load reads the index at every call; an export makes one call per tensor.
+            _index: Any = None
+
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                if self._index is None:
+                    self._index = super().read_metadata(*args, **kwargs)
+                return self._index
+
         self.dir = model_dir
-        self.reader = FileSystemReader(str(model_dir))
+        self.reader = IndexReadOnce(str(model_dir))
         metadata = self.reader.read_metadata()
         self.tensors = {
             k: v

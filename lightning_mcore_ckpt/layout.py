@@ -51,6 +51,7 @@ __all__ = [
     "resolve_last",
     "retention_plan",
     "step_dir",
+    "step_number",
     "verify_step",
     "write_json_atomic",
     "write_text_atomic",
@@ -78,6 +79,17 @@ class StepDir:
 def step_dir(dirpath: str | os.PathLike[str], step: int) -> Path:
     """The directory of ``step`` under ``dirpath``."""
     return Path(dirpath) / f"global_step_{step}"
+
+
+def step_number(path: str | os.PathLike[str]) -> int | None:
+    """The step of a ``global_step_<N>`` directory, or ``None`` for any other name.
+
+    Example::
+
+        step_number("checkpoints/run/global_step_100")  # 100
+    """
+    match = _STEP_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -243,8 +255,8 @@ def verify_step(path: str | os.PathLike[str]) -> list[str]:
 
     Example::
 
-        for problem in verify_step("checkpoints/run/global_step_100"):
-            print(problem)  # e.g. ".../model/__0_0.distcp is truncated (10 of 4096 bytes)"
+        problems = verify_step("checkpoints/run/global_step_100")
+        # e.g. [".../model/__0_0.distcp is truncated (10 of 4096 bytes)"]
     """
     p = Path(path)
     meta = read_metadata(p)

@@ -44,7 +44,7 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
     Example::
 
         result = collect("checkpoints/run")
-        print(result.last, [m["global_step"] for m in result.complete], result.damaged)
+        steps = [m["global_step"] for m in result.complete]  # and result.last, .damaged
     """
     root = Path(dirpath)
     if not root.is_dir():
@@ -66,13 +66,9 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
         dirpath=root,
         complete=complete,
         incomplete=layout.incomplete_steps(root),
-        last=None if last is None else _step_number(last),
+        last=None if last is None else layout.step_number(last),
         damaged=damaged,
     )
-
-
-def _step_number(path: Path) -> int:
-    return int(path.name[len("global_step_") :])
 
 
 def human_bytes(num: Any) -> str:
@@ -114,7 +110,7 @@ def format_table(report: Report) -> str:
 
     Example::
 
-        print(format_table(collect("checkpoints/run")))
+        table = format_table(collect("checkpoints/run"))
     """
     header = (
         "step",

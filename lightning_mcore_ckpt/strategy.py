@@ -64,7 +64,7 @@ class CheckpointSaveError(RuntimeError):
         try:
             trainer.fit(module, ckpt_path="last")
         except CheckpointSaveError as err:
-            print(err)  # names the step, the failing rank and the cause
+            log.error("%s", err)  # names the step, the failing rank and the cause
     """
 
 
@@ -1001,8 +1001,6 @@ class MegatronStrategy(ParallelStrategy):
         pending = self._pending
         if pending is None:
             return True
-        from torch.distributed.checkpoint.api import CheckpointException
-
         start = time.perf_counter()
 
         try:

@@ -5,16 +5,22 @@ Each per-parameter state tensor (``exp_avg``, ``exp_avg_sq``, momentum buffers, 
 ``optim_state_to_sharding_state``). Scalar per-parameter entries such as Adam's ``step`` cannot
 be sharded like the parameter; they are saved once per parameter group, since every parameter of
 a group is stepped together.
+
+Only parameters that have state are saved: frozen parameters, and trainable ones that never
+received a gradient, have none (torch optimizers skip a parameter whose ``grad`` is ``None``,
+even when it is in a parameter group). On load, :func:`init_state` recreates state for exactly
+the parameters whose state tensors the checkpoint holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["init_state", "load_sharded", "sharded_state_dict"]
+__all__ = ["init_state", "load_sharded", "saved_state_keys", "sharded_state_dict"]
 
 _SCALAR_PREFIX = "scalar_"
 
@@ -23,19 +29,78 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's per-parameter state without changing any parameter.
+def saved_state_keys(directory: str | os.PathLike[str]) -> set[str]:
+    """The checkpoint keys of the optimizer state tensors saved in ``directory``.
+
+    A parameter had optimizer state when it was saved exactly when its tensors (``exp_avg``,
+    momentum buffers, ...) are in the checkpoint: :func:`sharded_state_dict` writes every
+    parameter that has state, and only those. This holds for every checkpoint written with this
+    module, whatever its parallel layout, so no extra record is needed.
+    """
+    from megatron.core import dist_checkpointing
+
+    return set(dist_checkpointing.load_tensors_metadata(str(directory)))
+
+
+def _built_keys(sharded: Any) -> set[str]:
+    """The keys of the tensors a ``ShardedTensor`` or ``ShardedTensorFactory`` is saved as."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if not isinstance(sharded, ShardedTensorFactory):
+        return {sharded.key}
+    return {key for built in nested_values(sharded.build()) for key in _built_keys(built)}
+
+
+def _params_with_saved_state(
+    optimizer: torch.optim.Optimizer,
+    model_sharded_state_dict: Mapping[str, Any],
+    saved_keys: Collection[str],
+) -> list[torch.nn.Parameter]:
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    # Optimizer state keys are "optimizer.state.<state key>.<model tensor key>"; torch's state
+    # keys (exp_avg, exp_avg_sq, momentum_buffer, ...) have no dots.
+    prefix = "optimizer.state."
+    saved_model_keys = {
+        key[len(prefix) :].split(".", 1)[-1] for key in saved_keys if key.startswith(prefix)
+    }
+    params = _params(optimizer)
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
+    return [
+        params[pid] for pid, sharded in id_map.items() if _built_keys(sharded) & saved_model_keys
+    ]
+
+
+def init_state(
+    optimizer: torch.optim.Optimizer,
+    model_sharded_state_dict: Mapping[str, Any] | None = None,
+    saved_keys: Collection[str] | None = None,
+) -> None:
+    """Create the per-parameter state a checkpoint holds, without changing any parameter.
 
     A fresh optimizer has no state to load into; one step with zero gradients and a learning
-    rate of zero creates it (AdamW, Adam, SGD with momentum: no parameter moves).
+    rate of zero creates it (AdamW, Adam, SGD with momentum: no parameter moves). With
+    ``saved_keys`` (:func:`saved_state_keys` of the checkpoint), state is created for exactly the
+    parameters whose state was saved: frozen parameters, and trainable ones that never received
+    a gradient, have none, and a template asking for theirs would fail the load. Without it,
+    every parameter of the optimizer gets state. Any state the optimizer had is replaced.
     """
-    if optimizer.state:
+    if saved_keys is None:
+        params = _params(optimizer)
+    else:
+        if model_sharded_state_dict is None:
+            raise ValueError("init_state: saved_keys needs the model's sharded state dict")
+        params = _params_with_saved_state(optimizer, model_sharded_state_dict, saved_keys)
+    optimizer.state.clear()
+    if not params:
         return
     saved_grads = {p: p.grad for p in _params(optimizer)}
     saved_lr = [group["lr"] for group in optimizer.param_groups]
+    stepped = {id(p) for p in params}
     try:
         for p in saved_grads:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if id(p) in stepped else None
         for group in optimizer.param_groups:
             group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else group["lr"] * 0
         optimizer.step()
@@ -86,9 +151,11 @@ def load_sharded(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> No
             if k.startswith(_SCALAR_PREFIX)
         }
         for pid in group["params"]:
+            if pid not in template:  # no state was saved for it (frozen, or never stepped)
+                continue
             param_state = loaded["state"].setdefault(pid, {})
             for key, value in scalars.items():
-                like = template.get(pid, {}).get(key)
+                like = template[pid].get(key)
                 param_state[key] = (
                     torch.tensor(value, dtype=like.dtype, device=like.device)
                     if isinstance(like, torch.Tensor)

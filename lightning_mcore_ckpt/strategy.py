@@ -1138,10 +1138,14 @@ class MegatronStrategy(ParallelStrategy):
         from megatron.core import dist_checkpointing
         from megatron.core.optimizer import MegatronOptimizer
 
+        model_ssd = self.model_sharded_state_dict()
+        saved_keys: set[str] | None = None
         for opt in self._torch_optimizers():
             if not isinstance(opt, MegatronOptimizer):
-                _optim.init_state(opt)
-        model_ssd = self.model_sharded_state_dict()
+                if saved_keys is None:
+                    saved_keys = _optim.saved_state_keys(directory)
+                # State for exactly the parameters that had it when saved (not frozen ones).
+                _optim.init_state(opt, model_ssd, saved_keys)
         loaded = dist_checkpointing.load(
             self._optimizer_sharded_state_dict(model_ssd, is_loading=True),
             str(directory),

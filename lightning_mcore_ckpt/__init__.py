@@ -19,6 +19,7 @@ from lightning_mcore_ckpt._version import __version__
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.hf import HFExport
+    from lightning_mcore_ckpt.resume_check import ResumeJob, ResumeReport, check_resume
     from lightning_mcore_ckpt.sampler import ElasticSampler
     from lightning_mcore_ckpt.strategy import CheckpointSaveError, MegatronStrategy, SaveOptions
 
@@ -28,8 +29,11 @@ __all__ = [
     "HFExport",
     "MegatronCheckpoint",
     "MegatronStrategy",
+    "ResumeJob",
+    "ResumeReport",
     "SaveOptions",
     "__version__",
+    "check_resume",
 ]
 
 _LAZY = {
@@ -38,7 +42,10 @@ _LAZY = {
     "HFExport": "lightning_mcore_ckpt.hf",
     "MegatronCheckpoint": "lightning_mcore_ckpt.callback",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",
+    "ResumeJob": "lightning_mcore_ckpt.resume_check",
+    "ResumeReport": "lightning_mcore_ckpt.resume_check",
     "SaveOptions": "lightning_mcore_ckpt.strategy",
+    "check_resume": "lightning_mcore_ckpt.resume_check",
 }
 
 

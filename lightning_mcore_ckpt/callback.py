@@ -274,6 +274,10 @@ class MegatronCheckpoint(ModelCheckpoint):
         self.save_on_preemption = save_on_preemption
         self.failed_saves = 0
         self._resumed_step: int | None = None
+        self._step_at_batch_start = -1
+        # An epoch-end save waiting for Lightning to close the epoch: its monitor candidates.
+        self._deferred: dict[str, Any] | None = None
+        self._closing_epoch = False
         self._lock: layout.DirectoryLock | None = None
         self._heartbeat: threading.Event | None = None
         self._preempted: int | None = None
@@ -394,6 +398,7 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # starts the train_time_interval clock
         if not self.save_on_preemption or threading.current_thread() is not threading.main_thread():
             return
         # Installed after Lightning's own handlers (which raise at the next step): the run
@@ -436,6 +441,14 @@ class MegatronCheckpoint(ModelCheckpoint):
         return bool(signum)
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        fit = checkpoint.get("loops", {}).get("fit_loop")
+        if fit is not None:
+            _close_epoch(fit)
+
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -475,6 +488,12 @@ class MegatronCheckpoint(ModelCheckpoint):
     # --- cadence --------------------------------------------------------------------------
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -484,6 +503,15 @@ class MegatronCheckpoint(ModelCheckpoint):
         batch_idx: int,
     ) -> None:
         self._log_commits(trainer, wait=False)
+        # Saves happen only where the optimizer has just stepped: inside a gradient-accumulation
+        # window the accumulated gradients are in no checkpoint, so a step saved there would
+        # resume with those micro-batches consumed but never applied.
+        if trainer.global_step == self._step_at_batch_start:
+            return
+        # The epoch's last batch: the epoch-end hooks and per-epoch LR schedulers have not run
+        # yet, and a step saved now would resume without them. Such saves wait until Lightning
+        # has closed the epoch (the next epoch's start, or the end of fit).
+        epoch_ends = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         if self._previous_handlers and self._preemption_requested(trainer):
             name = signal.Signals(self._preempted or signal.SIGTERM).name
             if trainer.is_global_zero:
@@ -492,34 +520,74 @@ class MegatronCheckpoint(ModelCheckpoint):
                     name,
                     trainer.global_step,
                 )
-            self._save_step(trainer, self._monitor_candidates(trainer), synchronous=True)
-            self._log_commits(trainer, wait=True)
             trainer.should_stop = True
             self._restore_signal_handlers()
-            return
-        if self._should_skip_saving_checkpoint(trainer):
-            return
-        due = (
-            self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
-        )
-        if self._train_time_interval is not None:
-            now = time.monotonic()
-            elapsed = now - (self._last_time_checked or now)
-            due_time = bool(
-                trainer.strategy.broadcast(elapsed >= self._train_time_interval.total_seconds())
-            )
-            if due_time:
-                self._last_time_checked = now
-                due = True
-        if due:
+            if not epoch_ends:
+                self._save_step(trainer, self._monitor_candidates(trainer), synchronous=True)
+                self._log_commits(trainer, wait=True)
+            return  # else on_train_end saves it, synchronously
+        if (
+            self.save_final
+            and not epoch_ends
+            and (trainer.should_stop or _max_steps_reached(trainer))
+        ):
+            # The run ends after this batch, inside an epoch. Save now, while the loops still say
+            # so: once fit ends Lightning has closed the epoch, and a step saved then would
+            # resume at the next epoch, skipping the rest of this one.
             self._save_step(trainer, self._monitor_candidates(trainer))
+            return
+        # When: Lightning's own triggers (every_n_train_steps, train_time_interval decided on
+        # rank 0 and broadcast, a validation-only monitor deferred to validation end).
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def _save_topk_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
     ) -> None:
-        # Lightning's epoch-end and validation-end hooks land here.
+        # Lightning's triggers (train batch end, epoch end, validation end) land here.
+        if self.monitor is not None and self.monitor not in monitor_candidates:
+            val_loop = trainer.fit_loop.epoch_loop.val_loop
+            if val_loop._has_run or not _validation_enabled(trainer):
+                # Lightning refuses a monitor missing after validation; without validation it
+                # would never appear, and the ranking would keep arbitrary steps.
+                raise ValueError(
+                    f"MegatronCheckpoint(monitor={self.monitor!r}): no such metric was logged; "
+                    f"logged metrics are {sorted(monitor_candidates)}. Log it with "
+                    f"self.log({self.monitor!r}, value) in the LightningModule, or fix the name"
+                )
+        if self._closing_epoch:
+            # Lightning's epoch-end triggers fire before its per-epoch LR schedulers step and
+            # before the epoch counts as done: the step is saved once the epoch is closed.
+            self._deferred = dict(monitor_candidates)
+            return
         self._save_step(trainer, monitor_candidates)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._closing_epoch = True
+        try:
+            super().on_train_epoch_end(trainer, pl_module)
+        finally:
+            self._closing_epoch = False
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._closing_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        try:
+            super().on_validation_end(trainer, pl_module)
+        finally:
+            self._closing_epoch = False
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The previous epoch is closed (hooks, per-epoch schedulers, counters), the next one's
+        # data not yet drawn: Lightning resumes a step saved here at the start of this epoch.
+        self._save_deferred(trainer)
+
+    def _save_deferred(self, trainer: pl.Trainer) -> None:
+        if self._deferred is not None:
+            candidates, self._deferred = self._deferred, None
+            self._save_step(trainer, candidates)
 
     @override
     def _save_last_checkpoint(
@@ -530,6 +598,10 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        preempted = self._preempted is not None
+        if self._deferred is not None:
+            candidates, self._deferred = self._deferred, None
+            self._save_step(trainer, candidates, synchronous=preempted)
         export_at_end = (
             self.hf_export is not None and self.hf_export.when == "end" and self._preempted is None
         )
@@ -539,7 +611,12 @@ class MegatronCheckpoint(ModelCheckpoint):
             and not getattr(trainer, "fast_dev_run", False)
             and self._last_global_step_saved != trainer.global_step
         ):
-            self._save_step(trainer, self._monitor_candidates(trainer), export_hf=export_at_end)
+            self._save_step(
+                trainer,
+                self._monitor_candidates(trainer),
+                export_hf=export_at_end,
+                synchronous=preempted,
+            )
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
         strategy.finalize_pending_save(blocking=True)
@@ -796,6 +873,60 @@ class MegatronCheckpoint(ModelCheckpoint):
         for old in doomed:
             log.info("retention: removing %s", old.path)
             layout.remove_step(old.path)
+
+
+def _zero(progress: dict[str, Any]) -> None:
+    for key in progress:
+        progress[key] = 0
+
+
+def _close_epoch(fit: dict[str, Any]) -> None:
+    """Write a step saved once an epoch is closed as "epoch done, next not started".
+
+    A step saved after the epoch's last batch and its epoch-end work (hooks, per-epoch LR
+    schedulers), e.g. at the next epoch's start or at the end of fit, carries the counters of
+    that moment: the epoch's batches still counted as current, or the next epoch already
+    "ready". Lightning resumes those inside the wrong epoch or at the wrong batch index. The
+    counters are rewritten to what they are between two epochs, which Lightning resumes at
+    batch 0 of the next epoch; mid-epoch steps are left as they are.
+    """
+    epochs = fit.get("epoch_progress")
+    batches = fit.get("epoch_loop.batch_progress")
+    if not epochs or not batches or not batches.get("is_last_batch"):
+        return
+    current = epochs["current"]
+    if current["processed"] != current["started"] or current["completed"] != current["processed"]:
+        return  # inside an epoch (its last batch done, its end not yet run)
+    for scope in ("current", "total"):
+        done = epochs[scope]["completed"]
+        for key in ("ready", "started", "processed"):
+            epochs[scope][key] = done
+    _zero(batches["current"])
+    batches["is_last_batch"] = False
+    for key in (
+        "epoch_loop.scheduler_progress",
+        "epoch_loop.manual_optimization.optim_step_progress",
+    ):
+        if key in fit:
+            _zero(fit[key]["current"])
+    optim = fit.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    for part in optim.values():
+        _zero(part["current"])
+    val = fit.get("epoch_loop.val_loop.batch_progress")
+    if val is not None:
+        _zero(val["current"])
+        _zero(val["total"])
+        val["is_last_batch"] = False
+
+
+def _max_steps_reached(trainer: pl.Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+
+
+def _validation_enabled(trainer: pl.Trainer) -> bool:
+    batches = trainer.num_val_batches
+    total = sum(batches) if isinstance(batches, list) else batches
+    return bool(trainer.enable_validation and total)
 
 
 def _versions() -> dict[str, str]:

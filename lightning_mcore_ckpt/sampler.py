@@ -105,7 +105,9 @@ class ElasticSampler(DistributedSampler):  # type: ignore[type-arg]
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
+            # A new epoch starts at its first sample, also in a state saved before it began.
             self._resume_at = None
+            self.consumed_samples = 0
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:

@@ -277,6 +277,55 @@ class MegatronStrategy(ParallelStrategy):
             )
         return True
 
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Make a training ``StatefulDataLoader`` resumable over data-parallel ranks.
+
+        Lightning shards a loader over data-parallel ranks by injecting a ``DistributedSampler``
+        (or, around torchdata's own shuffling sampler, a ``DistributedSamplerWrapper``, which
+        re-draws the whole order from an RNG that no checkpoint holds). Neither position can be
+        restored exactly. For a shuffled or sequential ``StatefulDataLoader`` that sampler is
+        replaced by :class:`~lightning_mcore_ckpt.ElasticSampler` (same ``shuffle`` and ``seed``:
+        Lightning's, from ``seed_everything``), which saves its exact position. A sampler of your
+        own is kept as it is.
+        """
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+        from torch.utils.data import DistributedSampler
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # Lightning passes the batch sampler along when it injects its sampler.
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+        if (
+            trainer is None
+            or not trainer.training
+            or type(dataloader).__name__ != "StatefulDataLoader"
+            or not isinstance(batch_size, int)
+        ):
+            return dataloader
+        sampler = dataloader.sampler
+        if not isinstance(sampler, DistributedSampler):
+            sampler = getattr(dataloader.batch_sampler, "sampler", None)
+        if type(sampler) is DistributedSampler:
+            shuffle = sampler.shuffle
+        elif type(sampler) is DistributedSamplerWrapper:
+            wrapped = type(getattr(sampler.dataset, "_sampler", None)).__name__
+            if wrapped not in ("RandomSampler", "SequentialSampler"):
+                return dataloader  # the user's own sampler, sharded by Lightning: kept
+            shuffle = wrapped == "RandomSampler"
+        else:
+            return dataloader
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        from lightning_mcore_ckpt.sampler import ElasticSampler
+
+        elastic = ElasticSampler(
+            dataloader.dataset,
+            micro_batch_size=batch_size,
+            shuffle=shuffle,
+            seed=sampler.seed,
+        )
+        return _update_dataloader(dataloader, elastic)
+
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend

@@ -1,0 +1,172 @@
+"""Start a function on N local processes that form a gloo process group, as a launcher would.
+
+The engine behind :func:`lightning_mcore_ckpt.testing.run_distributed` (the public name) and
+:func:`lightning_mcore_ckpt.check_resume`. Each rank is forked from a server process that has
+already imported torch, Megatron-Core and Lightning, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["DistributedFailure", "find_free_port", "run_distributed"]
+
+# The ranks are forked from a server process that has already imported these, so a rank starts
+# in a fraction of a second instead of re-importing torch, Megatron-Core and Lightning.
+_PRELOAD = ["torch", "megatron.core", "lightning.pytorch", "lightning_mcore_ckpt"]
+
+
+class DistributedFailure(RuntimeError):
+    """A rank of :func:`run_distributed` raised, died, or did not finish in time."""
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free at the time of the call."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    env: Mapping[str, str],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    # A session of its own, so that the parent can kill the rank with everything it started.
+    os.setsid()
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+    )
+    try:
+        value = fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        # Plain bytes: torch would otherwise pass tensors as shared-memory handles that die
+        # with this process.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        payload = buffer.getvalue()
+    except Exception:  # noqa: BLE001 - an unpicklable result is the caller's bug: report it
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, payload))
+
+
+def _kill(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return their results.
+
+    Ranks share nothing but the arguments (pass a directory to share files) and the
+    rendezvous address in their environment. ``env`` adds environment variables to every rank.
+
+    Raises :class:`DistributedFailure` naming the rank and carrying its traceback when a rank
+    raises or dies, and naming the unfinished ranks when ``timeout`` seconds pass. All ranks are
+    killed before it raises.
+
+    Example::
+
+        def show_rank(rank, world_size, tmp):
+            return rank
+
+        assert run_distributed(show_rank, 2, "/tmp") == [0, 1]
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"run_distributed: timeout must be positive seconds, got {timeout!r}")
+    ctx = _context()
+    results: Any = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, dict(env or {}), args, results),
+            name=f"rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outputs and not p.is_alive() and p.exitcode not in (0, None)
+                ]
+                if dead:
+                    # Give a rank that reported just before it died the chance to be read.
+                    time.sleep(0.5)
+                    if results.empty():
+                        r = dead[0]
+                        raise DistributedFailure(
+                            f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
+                            "without reporting a result"
+                        ) from None
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in outputs]
+                    raise DistributedFailure(
+                        f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s; "
+                        "all ranks were killed"
+                    ) from None
+                continue
+            if not ok:
+                raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}")
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        if len(outputs) == world_size:
+            for proc in procs:
+                proc.join(timeout=30)
+        _kill(procs)
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,313 @@
+"""Run a job uninterrupted and interrupted, resume it, and report the first divergence."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_mcore_ckpt.resume_check._compare import (
+    Divergence,
+    compare_finals,
+    compare_timelines,
+)
+
+__all__ = ["InterruptionResult", "ResumeJob", "ResumeReport", "check_resume"]
+
+log = logging.getLogger(__name__)
+
+HOWS = ("clean", "sigterm", "kill")
+"""The interruptions tried by default."""
+ALL_HOWS = (*HOWS, "max_steps")
+"""Also ``"max_steps"``: the run ends at ``stop_at`` as a finished run, then is extended."""
+
+
+@dataclass
+class ResumeJob:
+    """What one run of a job is: the Trainer, the module and the data passed to ``fit``.
+
+    A resume check calls your ``build`` function on every rank of every run, and it returns one
+    of these. The Trainer must have exactly one
+    :class:`~lightning_mcore_ckpt.MegatronCheckpoint` (the check points it at a directory of
+    its own for each run) and a :class:`~lightning_mcore_ckpt.MegatronStrategy`.
+
+    Example::
+
+        def build() -> ResumeJob:
+            L.seed_everything(0)
+            trainer = L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2),
+                                callbacks=[MegatronCheckpoint("ckpt", every_n_train_steps=2)],
+                                accelerator="cpu", devices=2, max_steps=8)
+            return ResumeJob(trainer, MyModule(), datamodule=MyData())
+    """
+
+    trainer: Any
+    model: Any
+    datamodule: Any = None
+    train_dataloaders: Any = None
+    val_dataloaders: Any = None
+
+
+@dataclass
+class InterruptionResult:
+    """One way of interrupting the job: where it stopped, where it resumed, what diverged."""
+
+    how: str
+    resumed_from: int | None
+    divergence: Divergence | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.divergence is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "how": self.how,
+            "resumed_from": self.resumed_from,
+            "exact": self.exact,
+            "divergence": None if self.divergence is None else self.divergence.to_dict(),
+        }
+
+
+@dataclass
+class ResumeReport:
+    """The outcome of :func:`check_resume`.
+
+    ``exact`` is true only when the job is deterministic and every interrupted-and-resumed run
+    is bit-identical to the uninterrupted one.
+    """
+
+    stop_at: int
+    max_steps: int
+    world_size: int
+    nondeterminism: Divergence | None = None
+    results: list[InterruptionResult] = field(default_factory=list)
+    workdir: str | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        return self.nondeterminism is None
+
+    @property
+    def exact(self) -> bool:
+        return self.deterministic and all(r.exact for r in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "exact": self.exact,
+            "deterministic": self.deterministic,
+            "stop_at": self.stop_at,
+            "max_steps": self.max_steps,
+            "world_size": self.world_size,
+            "nondeterminism": (
+                None if self.nondeterminism is None else self.nondeterminism.to_dict()
+            ),
+            "results": [r.to_dict() for r in self.results],
+            "workdir": self.workdir,
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"resume check: {self.world_size} process(es), interrupted at step {self.stop_at}, "
+            f"compared to step {self.max_steps}"
+        )
+        lines = [head]
+        if self.nondeterminism is not None:
+            lines.append(
+                "NOT DETERMINISTIC: two uninterrupted runs of the job differ, so resume cannot "
+                f"be judged. First difference at {self.nondeterminism.message}"
+            )
+            lines.append(
+                "  Seed everything (seed_everything, the data order, dropout) from the config, "
+                "not from the clock."
+            )
+        for r in self.results:
+            where = f"resumed from step {r.resumed_from}" if r.resumed_from else "no resume"
+            if r.divergence is None:
+                lines.append(f"{r.how:8s} exact ({where}): losses, data, RNG, weights, optimizer,")
+                lines.append(" " * 9 + "scheduler and loop counters bit-identical")
+            else:
+                lines.append(f"{r.how:8s} DIVERGED ({where}) at {r.divergence.message}")
+                if r.divergence.detail:
+                    lines.append(" " * 9 + r.divergence.detail)
+        lines.append("EXACT" if self.exact else "NOT EXACT")
+        return "\n".join(lines)
+
+
+def _read_run(probe_dir: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, Any], int]:
+    timelines: dict[int, list[dict[str, Any]]] = {}
+    finals: dict[int, Any] = {}
+    resumed_from = 0
+    for path in sorted(probe_dir.glob("rank_*.jsonl")):
+        rank = int(path.stem.split("_")[1])
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        starts = [r for r in records if r.get("event") == "start"]
+        if starts:
+            resumed_from = int(starts[-1]["global_step"])
+        timelines[rank] = [r for r in records if "event" not in r]
+    for path in sorted(probe_dir.glob("final_rank_*.json")):
+        finals[int(path.stem.split("_")[2])] = json.loads(path.read_text())
+    return timelines, finals, resumed_from
+
+
+def _job_main(
+    rank: int,
+    world_size: int,
+    source: Any,
+    run_dir: str,
+    ckpt_dir: str,
+    max_steps: int,
+    ckpt_path: str | None,
+    how: str | None,
+    stop_at: int,
+) -> None:
+    from lightning_mcore_ckpt.resume_check._job import run_job
+
+    run_job(source, Path(run_dir), Path(ckpt_dir), max_steps, ckpt_path, how, stop_at)
+
+
+def _launch(
+    source: Any,
+    world_size: int,
+    run_dir: Path,
+    ckpt_dir: Path,
+    max_steps: int,
+    ckpt_path: str | None,
+    how: str | None,
+    stop_at: int,
+    timeout: float,
+) -> None:
+    from lightning_mcore_ckpt._launch import DistributedFailure, run_distributed
+
+    args = (source, str(run_dir), str(ckpt_dir), max_steps, ckpt_path, how, stop_at)
+    try:
+        run_distributed(_job_main, world_size, *args, timeout=timeout)
+    except DistributedFailure:
+        killed = sorted((run_dir / "probe").glob("killed_rank_*"))
+        if how == "kill" and len(killed) == world_size:
+            return  # every rank reached the kill point: the job died as intended
+        raise
+
+
+def check_resume(
+    build: Callable[[], ResumeJob] | str | Path,
+    *,
+    stop_at: int,
+    max_steps: int | None = None,
+    how: str | Sequence[str] = HOWS,
+    world_size: int | None = None,
+    workdir: str | Path | None = None,
+    check_determinism: bool = True,
+    timeout: float = 600.0,
+) -> ResumeReport:
+    """Prove that a job resumes exactly: run it whole, and interrupted and resumed, and compare.
+
+    ``build`` is a function returning a :class:`ResumeJob` (defined at module level: every rank
+    of every run is a fresh process that imports it), or the path of a LightningCLI config that
+    names its model and data by ``class_path``. The job runs uninterrupted to ``max_steps`` (twice
+    when ``check_determinism``: a job that differs from itself without any interruption is
+    reported as not deterministic rather than blamed on resume), then, for each ``how``,
+    interrupted at step ``stop_at`` — ``"max_steps"`` (the run ends there as a finished run and
+    is then extended), ``"clean"`` (``trainer.should_stop`` after the step, then
+    the end-of-fit save), ``"sigterm"`` (a real SIGTERM to the last rank at the first batch of
+    the step, inside its accumulation window), ``"kill"`` (SIGKILL of every rank once the step is
+    done and the saves so far are committed) — and resumed with ``fit(ckpt_path="last")`` to
+    ``max_steps``. Per-step losses, the samples every rank received, every RNG stream, weights,
+    optimizer and LR scheduler state and the loop counters are compared bit for bit, batch by
+    batch; the report names the first divergence.
+
+    Runs on the processes of this machine (``world_size``: the Trainer's ``devices``, from the
+    config, or 1), CPU or GPU as the job says.
+
+    Example::
+
+        report = check_resume(build, stop_at=5, max_steps=10, world_size=2)
+        print(report)
+        assert report.exact
+    """
+    hows = (how,) if isinstance(how, str) else tuple(how)
+    bad = [h for h in hows if h not in ALL_HOWS]
+    if bad or not hows:
+        raise ValueError(f"check_resume(how={how!r}): choose from {ALL_HOWS}")
+    source: Any
+    if isinstance(build, str | Path):
+        from lightning_mcore_ckpt.resume_check._job import read_config
+
+        config = read_config(build)
+        source = {"config": str(Path(build).resolve()), "text": config.text}
+        world_size = world_size or config.world_size
+        max_steps = max_steps if max_steps is not None else config.max_steps
+    elif callable(build):
+        source = build
+    else:
+        raise ValueError(
+            f"check_resume(build={build!r}): pass a function returning a ResumeJob, or the "
+            "path of a LightningCLI config"
+        )
+    world_size = world_size or 1
+    if max_steps is None:
+        raise ValueError("check_resume(max_steps=None): pass the step to compare up to (max_steps)")
+    for name, value in (("stop_at", stop_at), ("max_steps", max_steps), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"check_resume({name}={value!r}): must be a positive int")
+    if stop_at >= max_steps:
+        raise ValueError(
+            f"check_resume(stop_at={stop_at}, max_steps={max_steps}): stop_at must be before "
+            "max_steps, so that the resumed run has steps left to train"
+        )
+    owned = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="resume-check-")) if owned else Path(workdir)  # type: ignore[arg-type]
+    if not owned and root.exists() and any(root.iterdir()):
+        raise ValueError(
+            f"check_resume(workdir={str(workdir)!r}): the directory is not empty; pass a new "
+            "or empty directory"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    report = ResumeReport(stop_at=stop_at, max_steps=max_steps, world_size=world_size)
+    report.workdir = None if owned else str(root)
+    try:
+
+        def launch(run_dir: Path, ckpt: str | None, way: str | None) -> Any:
+            ckpt_dir = run_dir.parent / "checkpoints"
+            steps = stop_at if way == "max_steps" else max_steps
+            _launch(source, world_size, run_dir, ckpt_dir, steps, ckpt, way, stop_at, timeout)
+            return _read_run(run_dir / "probe")
+
+        ref, ref_final, _ = launch(root / "reference" / "run", None, None)
+        if check_determinism:
+            again, again_final, _ = launch(root / "reference_again" / "run", None, None)
+            report.nondeterminism = compare_timelines(ref, again) or compare_finals(
+                ref_final, again_final
+            )
+            if report.nondeterminism is not None:
+                return report
+        for way in hows:
+            base = root / way
+            launch(base / "interrupted", None, way)
+            run, final, resumed_from = launch(base / "resumed", "last", None)
+            divergence: Divergence | None
+            if resumed_from == 0:
+                divergence = Divergence(
+                    step=None,
+                    epoch=None,
+                    batch=None,
+                    differs={"length": sorted(run)},
+                    message=(
+                        "the resumed run started from step 0: nothing was resumed (no complete "
+                        "step in the checkpoint directory?)"
+                    ),
+                )
+            else:
+                divergence = compare_timelines(ref, run, resumed_from) or compare_finals(
+                    ref_final, final
+                )
+            report.results.append(InterruptionResult(way, resumed_from, divergence))
+        return report
+    finally:
+        if owned:
+            shutil.rmtree(root, ignore_errors=True)

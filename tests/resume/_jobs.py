@@ -1,0 +1,154 @@
+"""Jobs for the resume check: a tiny GPT configurable along every axis of the matrix.
+
+``build(**cell)`` (bound with ``functools.partial``) returns a :class:`ResumeJob`; it runs on
+every rank of every run of :func:`check_resume`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset
+
+BATCH = 2
+
+
+class JobModule(TinyGPTModule):
+    """TinyGPTModule with the matrix's optimizer, scheduler and frozen-parameter options."""
+
+    def __init__(self, frozen: str = "none", scheduler: str = "step", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.frozen = frozen
+        self.scheduler_interval = scheduler
+        self.adapter: Any = None
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.frozen == "none" or self.adapter is not None:
+            return
+        embedding = self.gpt.embedding.word_embeddings.weight
+        if self.frozen in ("all_params", "trainable_only"):
+            embedding.requires_grad_(False)
+        elif self.frozen == "lora":
+            for p in self.gpt.parameters():
+                p.requires_grad_(False)
+            hidden = self.gpt.config.hidden_size
+            # A LoRA-style low-rank update of the output, the only trainable weights.
+            self.adapter = torch.nn.ParameterDict(
+                {
+                    "a": torch.nn.Parameter(torch.randn(hidden, 2) * 0.02),
+                    "b": torch.nn.Parameter(torch.zeros(2, hidden)),
+                }
+            )
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(inputs, labels)
+        if self.adapter is not None:
+            loss = (
+                loss
+                + (self.adapter["a"] @ self.adapter["b"]).pow(2).sum()
+                + 0.1 * (self.adapter["a"].sum() * self.adapter["b"].sum())
+            )
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        if self.frozen in ("trainable_only", "lora"):
+            params = [p for p in self.parameters() if p.requires_grad]
+        else:
+            params = list(self.parameters())
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.01)
+        step_size = 2 if self.scheduler_interval == "step" else 1
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=0.5)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval},
+        }
+
+
+class _DataModule:
+    pass
+
+
+def _loader(kind: str, num_samples: int, dp: int) -> Any:
+    from torch.utils.data import DataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset = TokenDataset(num_samples)
+    generator = torch.Generator().manual_seed(1)
+    if kind == "plain":
+        return DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)
+    workers = 2 if kind == "stateful2" else 0
+    return StatefulDataLoader(
+        dataset, batch_size=BATCH, shuffle=True, generator=generator, num_workers=workers
+    )
+
+
+def build(
+    layout: str = "dp2",
+    cadence: str = "steps",
+    accumulate: int = 1,
+    frozen: str = "none",
+    async_save: bool = False,
+    data: str = "stateful0",
+    scheduler: str = "step",
+    precision: str = "32",
+    steps_per_epoch: int = 4,
+    every: int = 2,
+) -> Any:
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy, ResumeJob
+
+    pl.seed_everything(0, verbose=False)
+    world = 1 if layout == "1" else 2
+    tp = 2 if layout == "tp2" else 1
+    pp = 2 if layout == "pp2" else 1
+    dp = world // (tp * pp)
+    num_samples = steps_per_epoch * accumulate * BATCH * dp
+    callback_kwargs: dict[str, Any] = {}
+    trainer_kwargs: dict[str, Any] = {}
+    if cadence == "steps":
+        callback_kwargs["every_n_train_steps"] = every
+    elif cadence == "epochs":
+        callback_kwargs["every_n_epochs"] = 1
+    elif cadence == "epochs_train_end":
+        callback_kwargs.update(every_n_epochs=1, save_on_train_epoch_end=True)
+    elif cadence == "time":
+        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.2)
+    elif cadence == "topk":
+        callback_kwargs.update(monitor="val_loss", save_top_k=2, every_n_epochs=1)
+        trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
+    else:
+        raise ValueError(cadence)
+    strategy = MegatronStrategy(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        ckpt_async_save=async_save,
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=100,
+        accumulate_grad_batches=accumulate,
+        precision=precision,
+        callbacks=[MegatronCheckpoint("unused", **callback_kwargs)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    module = JobModule(frozen=frozen, scheduler=scheduler, dropout=0.1)
+    val = _loader("stateful0", 4, 1) if cadence == "topk" else None
+    if data == "datamodule":
+        from lightning_mcore_ckpt.tiny import TokenDataModule
+
+        dm = TokenDataModule(num_samples=num_samples, batch_size=BATCH, seed=1)
+        return ResumeJob(trainer, module, datamodule=dm)
+    return ResumeJob(
+        trainer, module, train_dataloaders=_loader(data, num_samples, dp), val_dataloaders=val
+    )

@@ -99,6 +99,42 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--atol", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)"
     )
+
+    check = commands.add_parser(
+        "check-resume",
+        help="prove that a LightningCLI job resumes exactly: run it whole and interrupted, compare",
+        description=(
+            "Run the job of a LightningCLI config (model and data named by class_path) "
+            "uninterrupted to --max-steps (twice: a job that differs from itself is reported as "
+            "not deterministic), then interrupted at --stop-at and resumed with "
+            'fit(ckpt_path="last"), and compare per-step losses, the samples every rank '
+            "received, every RNG stream, weights, optimizer and LR scheduler state and the loop "
+            "counters bit for bit. Prints the first divergence. Exit code 0 when everything is "
+            "identical, 1 on a divergence, 2 on bad usage."
+        ),
+    )
+    check.add_argument("--config", required=True, help="a LightningCLI YAML config")
+    check.add_argument(
+        "--stop-at", type=int, required=True, metavar="K", help="the step to interrupt at"
+    )
+    check.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="the step to compare up to (default: the config's trainer.max_steps)",
+    )
+    check.add_argument(
+        "--how",
+        choices=["clean", "sigterm", "kill", "max_steps"],
+        action="append",
+        help="how to interrupt: a clean stop (trainer.should_stop) after the step, SIGTERM, a "
+        "hard kill after the last committed step, or max_steps (a finished run, extended); "
+        "repeat to try several (default: clean, sigterm and kill)",
+    )
+    check.add_argument(
+        "--workdir", help="keep every run's checkpoints and records here (a new directory)"
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -217,6 +253,33 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _check_resume(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        import jsonargparse  # noqa: F401
+    except ImportError:
+        return _fail(
+            "check-resume reads a LightningCLI config and needs the cli extra: "
+            "pip install 'lightning-mcore-ckpt[cli]'"
+        )
+    from lightning_mcore_ckpt.resume_check import check_resume
+    from lightning_mcore_ckpt.resume_check._run import HOWS
+
+    try:
+        report = check_resume(
+            args.config,
+            stop_at=args.stop_at,
+            max_steps=args.max_steps,
+            how=tuple(args.how) if args.how else HOWS,
+            workdir=args.workdir,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(err)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0 if report.exact else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
@@ -234,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _import(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "check-resume":
+        return _check_resume(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
 
 

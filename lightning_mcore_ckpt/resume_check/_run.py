@@ -251,7 +251,10 @@ def check_resume(
         )
     world_size = world_size or 1
     if max_steps is None:
-        raise ValueError("check_resume(max_steps=None): pass the step to compare up to (max_steps)")
+        raise ValueError(
+            "check_resume(max_steps=None): pass the step to compare up to (--max-steps), or "
+            "set trainer.max_steps in the config"
+        )
     for name, value in (("stop_at", stop_at), ("max_steps", max_steps), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"check_resume({name}={value!r}): must be a positive int")

@@ -17,13 +17,32 @@ BATCH = 2
 
 
 class JobModule(TinyGPTModule):
-    """TinyGPTModule with the matrix's optimizer, scheduler and frozen-parameter options."""
+    """TinyGPTModule with the matrix's optimizer, scheduler and frozen-parameter options.
 
-    def __init__(self, frozen: str = "none", scheduler: str = "step", **kwargs: Any) -> None:
+    ``unsaved_state``: the loss is scaled by a count of training steps kept in an attribute that
+    no checkpoint holds (the user-side mistake the resume check is meant to find).
+    """
+
+    def __init__(
+        self,
+        frozen: str = "none",
+        scheduler: str = "step",
+        unsaved_state: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.frozen = frozen
         self.scheduler_interval = scheduler
+        self.unsaved_state = unsaved_state
+        self.calls = 0
         self.adapter: Any = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if self.unsaved_state:
+            self.calls += 1
+            loss = loss * (1.0 + 0.01 * self.calls)
+        return loss
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -68,16 +87,44 @@ class JobModule(TinyGPTModule):
         }
 
 
-class _DataModule:
-    pass
+def _strategy_class(broken: str) -> Any:
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt._optim import init_state
+
+    class BrokenRestore(MegatronStrategy):
+        """Restores a checkpoint with one piece deliberately left out."""
+
+        def _load_extra(self, directory: Any) -> dict[str, Any]:
+            state = super()._load_extra(directory)
+            if broken == "rng":
+                torch.manual_seed(12345)
+                self._rng_at_load = None
+            if broken == "off_by_one":
+                optim = state["loops"]["fit_loop"][
+                    "epoch_loop.automatic_optimization.optim_progress"
+                ]
+                optim["optimizer"]["step"]["total"]["completed"] -= 1
+            if broken == "dataloader":
+                state["loops"]["fit_loop"]["state_dict"]["combined_loader"] = []
+            return state
+
+        def _load_optimizers(self, directory: Any) -> None:
+            if broken == "optimizer":
+                for opt in self._torch_optimizers():
+                    init_state(opt)
+                return
+            super()._load_optimizers(directory)
+
+    return MegatronStrategy if broken == "none" else BrokenRestore
 
 
-def _loader(kind: str, num_samples: int, dp: int) -> Any:
+def _loader(kind: str, num_samples: int, clock_seed: bool = False) -> Any:
     from torch.utils.data import DataLoader
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     dataset = TokenDataset(num_samples)
-    generator = torch.Generator().manual_seed(1)
+    # Without a generator of its own, the shuffle is drawn from the global (seeded) RNG.
+    generator = None if clock_seed else torch.Generator().manual_seed(1)
     if kind == "plain":
         return DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)
     workers = 2 if kind == "stateful2" else 0
@@ -97,12 +144,17 @@ def build(
     precision: str = "32",
     steps_per_epoch: int = 4,
     every: int = 2,
+    broken: str = "none",
+    unsaved_state: bool = False,
+    clock_seed: bool = False,
 ) -> Any:
+    import time
+
     import lightning.pytorch as pl
 
-    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy, ResumeJob
+    from lightning_mcore_ckpt import MegatronCheckpoint, ResumeJob
 
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(time.time_ns() % 2**31 if clock_seed else 0, verbose=False)
     world = 1 if layout == "1" else 2
     tp = 2 if layout == "tp2" else 1
     pp = 2 if layout == "pp2" else 1
@@ -123,7 +175,7 @@ def build(
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
     else:
         raise ValueError(cadence)
-    strategy = MegatronStrategy(
+    strategy = _strategy_class(broken)(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         ckpt_async_save=async_save,
@@ -142,13 +194,16 @@ def build(
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    module = JobModule(frozen=frozen, scheduler=scheduler, dropout=0.1)
-    val = _loader("stateful0", 4, 1) if cadence == "topk" else None
+    module = JobModule(frozen=frozen, scheduler=scheduler, unsaved_state=unsaved_state, dropout=0.1)
+    val = _loader("stateful0", 4) if cadence == "topk" else None
     if data == "datamodule":
         from lightning_mcore_ckpt.tiny import TokenDataModule
 
         dm = TokenDataModule(num_samples=num_samples, batch_size=BATCH, seed=1)
         return ResumeJob(trainer, module, datamodule=dm)
     return ResumeJob(
-        trainer, module, train_dataloaders=_loader(data, num_samples, dp), val_dataloaders=val
+        trainer,
+        module,
+        train_dataloaders=_loader(data, num_samples, clock_seed),
+        val_dataloaders=val,
     )

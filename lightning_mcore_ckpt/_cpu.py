@@ -27,6 +27,11 @@ at all. Each adaptation below is the smallest that makes the stock code path run
   tensor, so training could mutate what the background writer is about to write. On CPU,
   staging copies, which is what the device-to-host copy does on GPU.
 
+* **Mixed precision.** Megatron-Core's tensor-parallel linear functions declare their autocast
+  behaviour for ``"cuda"`` only (``torch.amp.custom_fwd(device_type="cuda")``), so under CPU
+  autocast (``precision="bf16-mixed"``) their backward runs without it and multiplies a bf16
+  gradient by an fp32 weight. On CPU they are declared for ``"cpu"``: the backward runs under
+  the autocast state of the forward, as it does on GPU.
 * **Model configs.** :func:`transformer_config_overrides` turns off the fused kernels (CUDA
   only) and asks for CPU initialisation in configs built from a Hugging Face model.
 
@@ -103,6 +108,7 @@ def install() -> bool:
             _patch_modules()
             _patch_memory_buffer()
             _patch_dist_checkpointing()
+            _patch_autocast()
             _installed = True
     return True
 
@@ -268,3 +274,26 @@ def _patch_dist_checkpointing() -> None:
 
     preload_tensors.__wrapped__ = original  # type: ignore[attr-defined]
     writer.preload_tensors = staticmethod(preload_tensors)  # type: ignore[method-assign,assignment]
+
+
+# --- autocast of Megatron-Core's autograd functions ----------------------------------------------
+
+_AUTOCAST_FUNCTIONS = (
+    "LinearWithFrozenWeight",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+)
+
+
+def _patch_autocast() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    for name in _AUTOCAST_FUNCTIONS:
+        fn = getattr(layers, name, None)
+        if fn is None:
+            continue
+        forward = getattr(fn.forward, "__wrapped__", None)
+        backward = getattr(fn.backward, "__wrapped__", None)
+        if forward is None or backward is None:
+            continue  # not decorated as expected: leave it as it is
+        fn.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
+        fn.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))

@@ -123,6 +123,11 @@ class MegatronCheckpoint(ModelCheckpoint):
             counted in the ``checkpoint/failed`` metric, and training goes on. Either way the
             failed step never becomes complete, and the tracker, older steps and retention are
             untouched.
+        save_on_train_epoch_end: as in Lightning's ``ModelCheckpoint``: with ``every_n_epochs``,
+            save at the end of the training epoch (``True``) or after validation (``False``);
+            ``None`` decides as Lightning does. Either way the step is written once the epoch is
+            closed (its end hooks and per-epoch LR schedulers done), so it resumes at the next
+            epoch's first batch.
         save_on_preemption: on SIGTERM or SIGUSR1 (what schedulers such as SLURM send before
             stopping or requeueing a job), finish the current step, save it synchronously, and
             end ``fit`` cleanly, so that ``fit(ckpt_path="last")`` continues exactly.
@@ -155,6 +160,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         restore_dataloader: bool = True,
         on_save_error: str = "raise",
         save_on_preemption: bool = True,
+        save_on_train_epoch_end: bool | None = None,
     ) -> None:
         if not isinstance(dirpath, str | os.PathLike) or not str(dirpath):
             raise ValueError(
@@ -247,6 +253,11 @@ class MegatronCheckpoint(ModelCheckpoint):
             raise ValueError(
                 f"MegatronCheckpoint(save_on_preemption={save_on_preemption!r}): must be True/False"
             )
+        if save_on_train_epoch_end is not None and not isinstance(save_on_train_epoch_end, bool):
+            raise ValueError(
+                f"MegatronCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}): must "
+                "be True, False or None (decided as Lightning does)"
+            )
         _check_writable(root, dirpath)
         if not isinstance(restore_dataloader, bool):
             raise ValueError(
@@ -261,6 +272,7 @@ class MegatronCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             train_time_interval=train_time_interval,
             every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=False,
         )
         self.dirpath: Path = root  # type: ignore[assignment]
@@ -399,6 +411,7 @@ class MegatronCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # starts the train_time_interval clock
+        self._refuse_unresumable_loader(trainer)
         if not self.save_on_preemption or threading.current_thread() is not threading.main_thread():
             return
         # Installed after Lightning's own handlers (which raise at the next step): the run
@@ -413,6 +426,29 @@ class MegatronCheckpoint(ModelCheckpoint):
         for signum in _PREEMPTION_SIGNALS:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_preemption_signal)
+
+    def _refuse_unresumable_loader(self, trainer: pl.Trainer) -> None:
+        # Resumed inside an epoch with a loader that cannot restore its position: Lightning
+        # would replay the epoch from its first batch while counting on from the saved one.
+        if self._resumed_step is None or not self.restore_dataloader:
+            return
+        from lightning.fabric.utilities.types import _Stateful
+
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        loader = trainer.fit_loop._combined_loader
+        if loader is None or progress.completed == 0:
+            return
+        plain = [type(dl).__name__ for dl in loader.flattened if not isinstance(dl, _Stateful)]
+        if plain:
+            raise ValueError(
+                f"MegatronCheckpoint(dirpath={str(self.dirpath)!r}): step {self._resumed_step} "
+                f"was saved inside an epoch (after batch {progress.completed - 1}), but the "
+                f"train dataloader ({', '.join(plain)}) cannot restore its position: the rest "
+                "of the epoch would not see the data the uninterrupted run sees. Use "
+                "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader), save "
+                "only at epoch ends (every_n_epochs), or pass "
+                "MegatronCheckpoint(restore_dataloader=False) to accept a restarted epoch"
+            )
 
     def _on_preemption_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens on the training loop, at the end of the current step.

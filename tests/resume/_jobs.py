@@ -167,9 +167,11 @@ def build(
     elif cadence == "epochs":
         callback_kwargs["every_n_epochs"] = 1
     elif cadence == "epochs_train_end":
+        # With validation, which would otherwise move the save to validation end.
         callback_kwargs.update(every_n_epochs=1, save_on_train_epoch_end=True)
+        trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
     elif cadence == "time":
-        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.2)
+        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.1)
     elif cadence == "topk":
         callback_kwargs.update(monitor="val_loss", save_top_k=2, every_n_epochs=1)
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
@@ -195,11 +197,15 @@ def build(
         **trainer_kwargs,
     )
     module = JobModule(frozen=frozen, scheduler=scheduler, unsaved_state=unsaved_state, dropout=0.1)
-    val = _loader("stateful0", 4) if cadence == "topk" else None
+    val = _loader("stateful0", 4) if "limit_val_batches" in trainer_kwargs else None
     if data == "datamodule":
         from lightning_mcore_ckpt.tiny import TokenDataModule
 
-        dm = TokenDataModule(num_samples=num_samples, batch_size=BATCH, seed=1)
+        class DataModule(TokenDataModule):  # type: ignore[misc]
+            def val_dataloader(self) -> Any:
+                return val if val is not None else []
+
+        dm = DataModule(num_samples=num_samples, batch_size=BATCH, seed=1)
         return ResumeJob(trainer, module, datamodule=dm)
     return ResumeJob(
         trainer,

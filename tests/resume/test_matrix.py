@@ -1,0 +1,128 @@
+"""Exact resume across the axes users vary: every value of every axis, and every pair of values.
+
+Each cell is one real resume check (``check_resume``): the job runs uninterrupted, then is
+interrupted at ``stop_at`` and resumed from "last", on 2 gloo processes; losses, the samples every
+rank received, every RNG stream, weights, optimizer and LR scheduler state and the loop counters
+must be bit-identical at every batch. The cells were chosen so that every pair of axis values
+meets at least once (``test_the_cells_cover_every_pair_of_axis_values``); ``docs/resume.md``
+lists them with their results.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import _jobs
+import pytest
+from _pairwise import uncovered
+
+from lightning_mcore_ckpt import check_resume
+from lightning_mcore_ckpt.testing import DistributedFailure
+
+AXES: dict[str, list[Any]] = {
+    "layout": ["dp2", "tp2", "pp2"],
+    "cadence": ["steps", "epochs", "epochs_train_end", "time", "topk"],
+    "how": ["clean", "sigterm", "kill", "max_steps"],
+    "accumulate": [1, 3],
+    "frozen": ["none", "all_params", "trainable_only", "lora"],
+    "async_save": [False, True],
+    "data": ["stateful0", "stateful2", "datamodule", "plain"],
+    "scheduler": ["step", "epoch"],
+    "precision": ["32", "bf16-mixed"],
+}
+
+# fmt: off
+CELLS = [
+    ("pp2", "epochs_train_end", "clean", 3, "all_params", True, "stateful0", "step", "32"),
+    ("pp2", "topk", "kill", 1, "none", False, "datamodule", "epoch", "bf16-mixed"),
+    ("tp2", "time", "sigterm", 3, "trainable_only", False, "stateful2", "epoch", "32"),
+    ("dp2", "time", "max_steps", 1, "lora", True, "plain", "step", "bf16-mixed"),
+    ("tp2", "steps", "kill", 3, "lora", True, "datamodule", "step", "32"),
+    ("dp2", "steps", "sigterm", 1, "all_params", False, "stateful0", "epoch", "bf16-mixed"),
+    ("tp2", "epochs", "clean", 3, "none", True, "plain", "epoch", "bf16-mixed"),
+    ("dp2", "topk", "clean", 1, "trainable_only", True, "stateful2", "step", "32"),
+    ("pp2", "epochs", "max_steps", 3, "lora", False, "stateful2", "epoch", "32"),
+    ("pp2", "epochs_train_end", "sigterm", 1, "trainable_only", False, "plain", "step", "bf16-mixed"),
+    ("dp2", "epochs", "sigterm", 3, "none", True, "datamodule", "step", "32"),
+    ("tp2", "topk", "max_steps", 1, "all_params", False, "stateful0", "step", "bf16-mixed"),
+    ("dp2", "epochs_train_end", "kill", 3, "all_params", True, "stateful2", "epoch", "bf16-mixed"),
+    ("tp2", "epochs", "kill", 1, "trainable_only", False, "stateful0", "step", "32"),
+    ("pp2", "time", "clean", 3, "all_params", False, "datamodule", "epoch", "32"),
+    ("pp2", "steps", "max_steps", 1, "none", True, "stateful2", "epoch", "32"),
+    ("tp2", "topk", "sigterm", 3, "lora", True, "plain", "step", "32"),
+    ("tp2", "epochs_train_end", "max_steps", 3, "trainable_only", True, "datamodule", "epoch", "bf16-mixed"),
+    ("tp2", "time", "kill", 1, "none", False, "stateful0", "epoch", "bf16-mixed"),
+    ("pp2", "steps", "clean", 3, "trainable_only", True, "plain", "epoch", "bf16-mixed"),
+    ("dp2", "epochs_train_end", "clean", 3, "lora", True, "stateful0", "epoch", "bf16-mixed"),
+    ("tp2", "epochs", "kill", 1, "all_params", False, "plain", "epoch", "32"),
+    ("dp2", "epochs_train_end", "sigterm", 3, "none", True, "plain", "step", "32"),
+]
+# fmt: on
+
+STEPS_PER_EPOCH = 4
+MAX_STEPS = 6
+
+
+def _cell(values: tuple[Any, ...]) -> dict[str, Any]:
+    return dict(zip(AXES, values, strict=True))
+
+
+def _stop_at(cell: dict[str, Any]) -> int:
+    # Epoch cadences save at epoch ends, and a plain DataLoader can only resume there: those
+    # cells stop exactly at the end of the first epoch; the others inside the second half of it.
+    at_epoch_end = cell["cadence"] in ("epochs", "epochs_train_end", "topk")
+    return STEPS_PER_EPOCH if at_epoch_end or cell["data"] == "plain" else 3
+
+
+def _name(values: tuple[Any, ...]) -> str:
+    return "-".join(str(v) for v in values)
+
+
+def test_the_cells_cover_every_pair_of_axis_values() -> None:
+    cells = [_cell(c) for c in CELLS]
+    assert uncovered(AXES, cells) == []
+    for cell in cells:
+        assert all(cell[a] in values for a, values in AXES.items()), cell
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("values", CELLS, ids=[_name(c) for c in CELLS])
+def test_resume_is_exact(tmp_path: Path, values: tuple[Any, ...]) -> None:
+    cell = _cell(values)
+    how = cell.pop("how")
+    report = check_resume(
+        functools.partial(_jobs.build, steps_per_epoch=STEPS_PER_EPOCH, **cell),
+        stop_at=_stop_at({**cell, "how": how}),
+        max_steps=MAX_STEPS,
+        how=how,
+        world_size=2,
+        workdir=tmp_path / "work",
+        check_determinism=False,
+    )
+    assert report.exact, str(report)
+    (result,) = report.results
+    assert result.resumed_from and result.resumed_from > 0
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(400)
+def test_a_plain_dataloader_resumed_inside_an_epoch_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(DistributedFailure, match=r"cannot restore its position") as failure:
+        check_resume(
+            functools.partial(_jobs.build, layout="dp2", data="plain"),
+            stop_at=3,
+            max_steps=MAX_STEPS,
+            how="sigterm",
+            world_size=2,
+            workdir=tmp_path / "work",
+            check_determinism=False,
+        )
+    assert "StatefulDataLoader" in str(failure.value)
+    # Refused before any batch: the resumed run recorded none.
+    probe = tmp_path / "work" / "sigterm" / "resumed" / "probe"
+    assert not any(p.read_text().count('"loop"') for p in probe.glob("rank_*.jsonl"))

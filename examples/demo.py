@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
+from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy, ResumeJob
 from lightning_mcore_ckpt.tiny import HFGPTModule, TokenDataset, tiny_hf_model
 
 
@@ -44,9 +44,13 @@ class Preempt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def fit(
-    out: Path, name: str, steps: int, ckpt_path: str | None, callbacks: list[pl.Callback]
-) -> tuple[pl.Trainer, HFGPTModule]:
+def job(
+    out: Path, name: str = "run", steps: int = 8, callbacks: tuple[pl.Callback, ...] = ()
+) -> ResumeJob:
+    """The demo's training job: what :func:`lightning_mcore_ckpt.check_resume` checks.
+
+    ``out / "hf_source"`` must hold the Hugging Face model (``tiny_hf_model``).
+    """
     source = out / "hf_source"
     torch.manual_seed(0)  # the shuffling loader's order: the same in every run
     data = StatefulDataLoader(TokenDataset(64), batch_size=4, shuffle=True)
@@ -70,8 +74,15 @@ def fit(
         enable_model_summary=False,
         enable_progress_bar=False,
     )
-    trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt_path)
-    return trainer, module
+    return ResumeJob(trainer, module, train_dataloaders=data)
+
+
+def fit(
+    out: Path, name: str, steps: int, ckpt_path: str | None, callbacks: list[pl.Callback]
+) -> tuple[pl.Trainer, HFGPTModule]:
+    run = job(out, name, steps, tuple(callbacks))
+    run.trainer.fit(run.model, train_dataloaders=run.train_dataloaders, ckpt_path=ckpt_path)
+    return run.trainer, run.model
 
 
 def main() -> None:

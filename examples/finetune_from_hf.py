@@ -22,8 +22,33 @@ import lightning.pytorch as pl
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy, hf
+from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy, ResumeJob, hf
 from lightning_mcore_ckpt.tiny import HFGPTModule, TokenDataset, tiny_hf_model
+
+
+def job(source: Path, imported: Path, out: Path, steps: int = 6) -> ResumeJob:
+    """The fine-tuning job: what :func:`lightning_mcore_ckpt.check_resume` checks."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        strategy=MegatronStrategy(tensor_model_parallel_size=2, init_from=imported),
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=2,
+        max_steps=steps,
+        callbacks=[
+            MegatronCheckpoint(
+                out / "checkpoints",
+                every_n_train_steps=max(1, steps // 2),
+                max_to_keep=1,
+                hf_export=HFExport(source, when="end"),
+            )
+        ],
+        logger=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    module = HFGPTModule(source, lr=3e-3)
+    data = StatefulDataLoader(TokenDataset(64), batch_size=4, shuffle=True)
+    return ResumeJob(trainer, module, train_dataloaders=data)
 
 
 def main() -> None:
@@ -42,27 +67,9 @@ def main() -> None:
             tiny_hf_model(source, "qwen2")
         hf.import_checkpoint(source, imported, prefix="model.")
 
-    torch.manual_seed(0)
-    trainer = pl.Trainer(
-        strategy=MegatronStrategy(tensor_model_parallel_size=2, init_from=imported),
-        accelerator="gpu" if torch.cuda.is_available() else "cpu",
-        devices=2,
-        max_steps=args.steps,
-        callbacks=[
-            MegatronCheckpoint(
-                out / "checkpoints",
-                every_n_train_steps=max(1, args.steps // 2),
-                max_to_keep=1,
-                hf_export=HFExport(source, when="end"),
-            )
-        ],
-        logger=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
-    module = HFGPTModule(source, lr=3e-3)
-    data = StatefulDataLoader(TokenDataset(64), batch_size=4, shuffle=True)
-    trainer.fit(module, train_dataloaders=data, ckpt_path="last")
+    run = job(source, imported, out, args.steps)
+    trainer, module = run.trainer, run.model
+    trainer.fit(module, train_dataloaders=run.train_dataloaders, ckpt_path="last")
 
     if trainer.global_rank != 0:
         return

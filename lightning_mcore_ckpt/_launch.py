@@ -83,11 +83,15 @@ def _rank_main(
 
 
 def _kill(procs: list[Any]) -> None:
+    # Each rank leads a session of its own: kill the whole group, also when the rank itself has
+    # already died (a killed rank leaves the processes it started, e.g. checkpoint writers).
     for proc in procs:
-        if proc.is_alive():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+        if proc.pid is None:
+            continue
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            if proc.is_alive():
                 proc.kill()
     for proc in procs:
         proc.join(timeout=10)

@@ -121,22 +121,90 @@ def sharded_state_dict(
     )
 
     state = optimizer.state_dict()
-    scalar_keys: set[str] = set()
-    for param_state in state["state"].values():
-        for key, value in param_state.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                scalar_keys.add(key)
-    for group in state["param_groups"]:
-        for key in scalar_keys:
-            values = [state["state"][pid][key] for pid in group["params"] if pid in state["state"]]
-            if values:
-                value = values[0]
-                group[_SCALAR_PREFIX + key] = (
-                    value.item() if isinstance(value, torch.Tensor) else value
-                )
-    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, _params(optimizer))
+    params = _params(optimizer)
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
+    # Per group, the scalar entries (Adam's "step"): every parameter of a group is stepped
+    # together. Agreed over all ranks, like everything below: rank 0 writes the groups, and it
+    # may hold no stateful parameter at all (a pipeline stage of frozen layers).
+    scalars: list[dict[str, Any]] = [{} for _ in state["param_groups"]]
+    for index, group in enumerate(state["param_groups"]):
+        for pid in group["params"]:
+            for key, value in state["state"].get(pid, {}).items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    scalars[index].setdefault(
+                        key, value.item() if isinstance(value, torch.Tensor) else value
+                    )
+    stateful = {id_map[pid].key for pid in state["state"] if pid in id_map}
+    names = {
+        key
+        for param_state in state["state"].values()
+        for key, value in param_state.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+    scalars, stateful, names = _agree(scalars, stateful, names)
+    for group, found in zip(state["param_groups"], scalars, strict=True):
+        for key, value in found.items():
+            group[_SCALAR_PREFIX + key] = value
+    _fill_partial_keys(state, id_map, params, stateful, names)
+    scalar_keys = sorted({key for found in scalars for key in found})
     optim_state_to_sharding_state(state, id_map, exclude_keys=tuple(scalar_keys))
     return state
+
+
+def _agree(
+    scalars: list[dict[str, Any]], stateful: set[str], names: set[str]
+) -> tuple[list[dict[str, Any]], set[str], set[str]]:
+    """Collective over the default group: the union of every rank's findings (first value wins)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return scalars, stateful, names
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (scalars, sorted(stateful), sorted(names)))
+    merged: list[dict[str, Any]] = [{} for _ in scalars]
+    for rank_scalars, rank_stateful, rank_names in gathered:
+        for mine, theirs in zip(merged, rank_scalars, strict=True):
+            for key, value in theirs.items():
+                mine.setdefault(key, value)
+        stateful |= set(rank_stateful)
+        names |= set(rank_names)
+    return merged, stateful, names
+
+
+def _fill_partial_keys(
+    state: dict[str, Any],
+    id_map: Mapping[int, Any],
+    params: list[torch.nn.Parameter],
+    stateful: set[str],
+    names: set[str],
+) -> None:
+    """Give zero state to stateless parameters that share a checkpoint tensor with stateful ones.
+
+    Megatron-Core stores the layers of a stack as one tensor (``decoder.layers.<name>``, one slice
+    per layer, spread over pipeline stages), so the optimizer state of a parameter is a slice of
+    a tensor too. When some layers are frozen and others train, that tensor would miss the
+    frozen layers' slices and the save would fail. Those slices are written as zeros; which
+    parameters had no state is recorded per rank (:func:`stateless_params`) and restored on
+    load. ``stateful`` and ``names`` are every rank's (see :func:`_agree`). Parameters frozen in
+    every layer (a LoRA base) get nothing.
+    """
+    for pid, sharded in id_map.items():
+        if pid not in state["state"] and sharded.key in stateful:
+            # Moments have their parameter's shape and dtype (torch's optimizers).
+            state["state"][pid] = {name: torch.zeros_like(params[pid]) for name in sorted(names)}
+
+
+def stateless_params(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Positions (in ``param_groups`` order) of the parameters without optimizer state."""
+    return [i for i, p in enumerate(_params(optimizer)) if not optimizer.state.get(p)]
+
+
+def drop_state(optimizer: torch.optim.Optimizer, positions: list[int]) -> None:
+    """Remove the state of the parameters at ``positions`` (as :func:`stateless_params`)."""
+    params = _params(optimizer)
+    for i in positions:
+        if i < len(params):
+            optimizer.state.pop(params[i], None)
 
 
 def load_sharded(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:

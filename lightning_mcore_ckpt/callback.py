@@ -287,6 +287,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         self.failed_saves = 0
         self._resumed_step: int | None = None
         self._step_at_batch_start = -1
+        self._stepped_at_load: int | None = None
         # An epoch-end save waiting for Lightning to close the epoch: its monitor candidates.
         self._deferred: dict[str, Any] | None = None
         self._closing_epoch = False
@@ -490,6 +491,11 @@ class MegatronCheckpoint(ModelCheckpoint):
     ) -> None:
         source = checkpoint.get(LOADED_FROM_KEY) or {}
         self._resumed_step = layout.step_number(source.get("path", ""))
+        fit = checkpoint.get("loops", {}).get("fit_loop") or {}
+        if _between_epochs(fit):
+            # Lightning adds one to its stepped-batch counter on some restarts, assuming the
+            # step was saved before the counter moved; a step saved between epochs was not.
+            self._stepped_at_load = fit["epoch_loop.state_dict"].get("_batches_that_stepped")
         saved = source.get("parallel_layout") or {}
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
@@ -528,6 +534,9 @@ class MegatronCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_batch_start = trainer.global_step
+        if self._stepped_at_load is not None:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = self._stepped_at_load
+            self._stepped_at_load = None
 
     @override
     def on_train_batch_end(
@@ -953,6 +962,15 @@ def _close_epoch(fit: dict[str, Any]) -> None:
         _zero(val["current"])
         _zero(val["total"])
         val["is_last_batch"] = False
+
+
+def _between_epochs(fit: dict[str, Any]) -> bool:
+    """Whether a saved fit-loop state is the one :func:`_close_epoch` writes."""
+    batches = fit.get("epoch_loop.batch_progress")
+    if not batches or batches.get("is_last_batch") or any(batches["current"].values()):
+        return False
+    total = batches["total"]
+    return bool(total["completed"]) and total["completed"] == total["processed"]
 
 
 def _max_steps_reached(trainer: pl.Trainer) -> bool:

@@ -286,15 +286,20 @@ class MegatronStrategy(ParallelStrategy):
         re-draws the whole order from an RNG that no checkpoint holds). Neither position can be
         restored exactly. For a shuffled or sequential ``StatefulDataLoader`` that sampler is
         replaced by :class:`~lightning_mcore_ckpt.ElasticSampler` (same ``shuffle`` and ``seed``:
-        Lightning's, from ``seed_everything``), which saves its exact position. A sampler of your
-        own is kept as it is.
+        Lightning's, from ``seed_everything``), which saves its exact position.
+
+        On one data-parallel rank the loader's own sampler is kept, except torchdata's shuffling
+        sampler given the loader's ``generator=``: every new iterator also draws its base seed
+        from that generator, a draw the restored sampler state does not hold, so the epochs after
+        a resume would be shuffled differently. It becomes an ``ElasticSampler`` seeded with the
+        generator's seed. A sampler of your own is kept as it is.
         """
         from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
         from torch.utils.data import DistributedSampler
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         # Lightning passes the batch sampler along when it injects its sampler.
-        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+        batch_size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
         if (
             trainer is None
             or not trainer.training
@@ -305,13 +310,21 @@ class MegatronStrategy(ParallelStrategy):
         sampler = dataloader.sampler
         if not isinstance(sampler, DistributedSampler):
             sampler = getattr(dataloader.batch_sampler, "sampler", None)
-        if type(sampler) is DistributedSampler:
-            shuffle = sampler.shuffle
+        generator = getattr(dataloader, "generator", None)
+        seed: int
+        if (
+            type(sampler).__name__ == "RandomSampler"
+            and generator is not None
+            and getattr(sampler, "generator", None) is generator
+        ):
+            shuffle, seed = True, int(generator.initial_seed())  # type: ignore[union-attr]
+        elif type(sampler) is DistributedSampler:
+            shuffle, seed = sampler.shuffle, sampler.seed
         elif type(sampler) is DistributedSamplerWrapper:
             wrapped = type(getattr(sampler.dataset, "_sampler", None)).__name__
             if wrapped not in ("RandomSampler", "SequentialSampler"):
                 return dataloader  # the user's own sampler, sharded by Lightning: kept
-            shuffle = wrapped == "RandomSampler"
+            shuffle, seed = wrapped == "RandomSampler", sampler.seed
         else:
             return dataloader
         from lightning.pytorch.utilities.data import _update_dataloader
@@ -322,7 +335,7 @@ class MegatronStrategy(ParallelStrategy):
             dataloader.dataset,
             micro_batch_size=batch_size,
             shuffle=shuffle,
-            seed=sampler.seed,
+            seed=seed,
         )
         return _update_dataloader(dataloader, elastic)
 
@@ -994,6 +1007,8 @@ class MegatronStrategy(ParallelStrategy):
             "rank": self.global_rank,
             "parallel_layout": self.parallel_layout(),
             "rng": RNGState().state_dict(),
+            # Which parameters had no optimizer state (frozen, or never given a gradient).
+            "optimizer_stateless": [_optim.stateless_params(o) for o in self._torch_optimizers()],
             "lightning": {
                 k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
             },
@@ -1200,11 +1215,25 @@ class MegatronStrategy(ParallelStrategy):
             str(directory),
             sharded_strategy=self._load_strategy(directory),
         )
+        stateless = self._saved_stateless(directory.parent / EXTRA_DIR)
         for idx, opt in enumerate(self._torch_optimizers()):
             if isinstance(opt, MegatronOptimizer):
                 opt.load_state_dict(loaded[f"optimizer_{idx}"])
             else:
                 _optim.load_sharded(opt, loaded[f"optimizer_{idx}"])
+                if stateless is not None and idx < len(stateless):
+                    # Slices saved as zeros only to complete a stacked tensor: no state again.
+                    _optim.drop_state(opt, stateless[idx])
+
+    def _saved_stateless(self, extra: Path) -> list[list[int]] | None:
+        # This rank's record, when the layout is the one that saved it.
+        own = extra / f"rank_{self.global_rank:05d}.pt"
+        if not own.is_file():
+            return None
+        payload = torch.load(own, map_location="cpu", weights_only=False)
+        if payload.get("parallel_layout") != self.parallel_layout():
+            return None
+        return payload.get("optimizer_stateless")
 
     def _load_extra(self, directory: Path) -> dict[str, Any]:
         if not directory.is_dir():

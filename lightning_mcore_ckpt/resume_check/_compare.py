@@ -61,6 +61,12 @@ class Divergence:
     for the state after the last step), ``differs`` maps each differing category (``"loop"``,
     ``"data"``, ``"rng:<stream>"``, ``"weights"``, ``"optimizer"``, ``"scheduler"``, ``"loss"``,
     ``"length"``) to the ranks where it differs; ``message`` says it in one line.
+
+    Example::
+
+        found = report.results[0].divergence
+        if found is not None and "data" in found.differs:
+            print("data order differs on ranks", found.differs["data"], found.detail)
     """
 
     step: int | None

@@ -3,7 +3,8 @@
 :class:`ResumeProbe` is a Lightning callback. For every training batch it writes one JSON line to
 ``<probe_dir>/rank_<r>.jsonl`` (flushed at once, so a killed run keeps what it recorded):
 
-- ``loop``: epoch, batch index, global step and Lightning's stepped-batch counter at batch start;
+- ``loop``: epoch, batch index and global step at batch start, and Lightning's stepped-batch
+  counter (the logging step) as ``training_step`` starts;
 - ``data``: a fingerprint of every sample of the batch this rank received;
 - ``rng``: a digest of every RNG stream as ``training_step`` starts (Python, NumPy, torch CPU,
   each CUDA device, each stream of Megatron-Core's RNG tracker);
@@ -178,6 +179,9 @@ class ResumeProbe(pl.Callback):
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             probe._pending["rng"] = rng_digests()
+            probe._pending["loop"]["stepped_batches"] = (
+                trainer.fit_loop.epoch_loop._batches_that_stepped
+            )
             return original(*args, **kwargs)
 
         self._original_step = original

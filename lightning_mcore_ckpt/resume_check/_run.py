@@ -55,7 +55,13 @@ class ResumeJob:
 
 @dataclass
 class InterruptionResult:
-    """One way of interrupting the job: where it stopped, where it resumed, what diverged."""
+    """One way of interrupting the job: where it resumed, and what diverged first (if anything).
+
+    Example::
+
+        for result in report.results:
+            print(result.how, result.resumed_from, result.exact)
+    """
 
     how: str
     resumed_from: int | None
@@ -79,7 +85,14 @@ class ResumeReport:
     """The outcome of :func:`check_resume`.
 
     ``exact`` is true only when the job is deterministic and every interrupted-and-resumed run
-    is bit-identical to the uninterrupted one.
+    is bit-identical to the uninterrupted one. ``str(report)`` is the human-readable report,
+    ``to_dict()`` the JSON one.
+
+    Example::
+
+        report = check_resume(build, stop_at=5, max_steps=10, world_size=2)
+        if not report.exact:
+            raise SystemExit(str(report))
     """
 
     stop_at: int

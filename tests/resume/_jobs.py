@@ -48,9 +48,15 @@ class JobModule(TinyGPTModule):
         super().configure_model()
         if self.frozen == "none" or self.adapter is not None:
             return
-        embedding = self.gpt.embedding.word_embeddings.weight
         if self.frozen in ("all_params", "trainable_only"):
-            embedding.requires_grad_(False)
+            # The input embedding and the first transformer layer (the first pipeline stage
+            # holds both). Megatron-Core stores the layers as one stacked tensor, so the layer
+            # stack is then partly frozen: layer 0 frozen, layer 1 training.
+            embedding = getattr(self.gpt, "embedding", None)
+            if embedding is not None:
+                embedding.word_embeddings.weight.requires_grad_(False)
+                for p in self.gpt.decoder.layers[0].parameters():
+                    p.requires_grad_(False)
         elif self.frozen == "lora":
             for p in self.gpt.parameters():
                 p.requires_grad_(False)
@@ -126,7 +132,8 @@ def _loader(kind: str, num_samples: int, clock_seed: bool = False) -> Any:
     # Without a generator of its own, the shuffle is drawn from the global (seeded) RNG.
     generator = None if clock_seed else torch.Generator().manual_seed(1)
     if kind == "plain":
-        return DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)
+        # As users write it: its shuffle comes from the global RNG, which checkpoints hold.
+        return DataLoader(dataset, batch_size=BATCH, shuffle=True)
     workers = 2 if kind == "stateful2" else 0
     return StatefulDataLoader(
         dataset, batch_size=BATCH, shuffle=True, generator=generator, num_workers=workers
@@ -171,7 +178,7 @@ def build(
         callback_kwargs.update(every_n_epochs=1, save_on_train_epoch_end=True)
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
     elif cadence == "time":
-        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.1)
+        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.5)
     elif cadence == "topk":
         callback_kwargs.update(monitor="val_loss", save_top_k=2, every_n_epochs=1)
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)

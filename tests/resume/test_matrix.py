@@ -61,8 +61,8 @@ CELLS = [
 ]
 # fmt: on
 
-STEPS_PER_EPOCH = 4
-MAX_STEPS = 6
+STEPS_PER_EPOCH = 3
+MAX_STEPS = 5
 
 
 def _cell(values: tuple[Any, ...]) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def _stop_at(cell: dict[str, Any]) -> int:
     # Epoch cadences save at epoch ends, and a plain DataLoader can only resume there: those
     # cells stop exactly at the end of the first epoch; the others inside the second half of it.
     at_epoch_end = cell["cadence"] in ("epochs", "epochs_train_end", "topk")
-    return STEPS_PER_EPOCH if at_epoch_end or cell["data"] == "plain" else 3
+    return STEPS_PER_EPOCH if at_epoch_end or cell["data"] == "plain" else 2
 
 
 def _name(values: tuple[Any, ...]) -> str:
@@ -115,7 +115,7 @@ def test_a_plain_dataloader_resumed_inside_an_epoch_is_refused_before_training(
     with pytest.raises(DistributedFailure, match=r"cannot restore its position") as failure:
         check_resume(
             functools.partial(_jobs.build, layout="dp2", data="plain"),
-            stop_at=3,
+            stop_at=2,
             max_steps=MAX_STEPS,
             how="sigterm",
             world_size=2,

@@ -15,7 +15,7 @@ the parameters whose state tensors the checkpoint holds.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch
 __all__ = ["init_state", "load_sharded", "saved_state_keys", "sharded_state_dict"]
 
 _SCALAR_PREFIX = "scalar_"
+_OUTSIDE = "outside_optimizer."
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -112,9 +113,16 @@ def init_state(
 
 
 def sharded_state_dict(
-    optimizer: torch.optim.Optimizer, model_sharded_state_dict: Mapping[str, Any]
+    optimizer: torch.optim.Optimizer,
+    model_sharded_state_dict: Mapping[str, Any],
+    outside: Sequence[torch.nn.Parameter] = (),
 ) -> dict[str, Any]:
-    """The optimizer's state as a Megatron-Core sharded state dict matching the model's sharding."""
+    """The optimizer's state as a Megatron-Core sharded state dict matching the model's sharding.
+
+    ``outside``: the model's parameters that no optimizer holds (frozen ones left out of
+    ``configure_optimizers``); they contribute zero slices where they share a stacked tensor
+    with parameters that have state (see :func:`_fill_partial_keys`).
+    """
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         optim_state_to_sharding_state,
@@ -146,6 +154,15 @@ def sharded_state_dict(
         for key, value in found.items():
             group[_SCALAR_PREFIX + key] = value
     _fill_partial_keys(state, id_map, params, stateful, names)
+    if outside:
+        others = get_param_id_to_sharded_param_map(model_sharded_state_dict, list(outside))
+        for i, sharded in others.items():
+            if sharded.key in stateful:
+                key = f"{_OUTSIDE}{i}"
+                id_map[key] = sharded  # type: ignore[index]
+                state["state"][key] = {
+                    name: torch.zeros_like(outside[i]) for name in sorted(names)
+                }
     scalar_keys = sorted({key for found in scalars for key in found})
     optim_state_to_sharding_state(state, id_map, exclude_keys=tuple(scalar_keys))
     return state
@@ -209,6 +226,8 @@ def drop_state(optimizer: torch.optim.Optimizer, positions: list[int]) -> None:
 
 def load_sharded(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
     """Load a state produced by ``dist_checkpointing.load`` of :func:`sharded_state_dict`."""
+    for key in [k for k in loaded["state"] if isinstance(k, str) and k.startswith(_OUTSIDE)]:
+        del loaded["state"][key]  # slices of parameters no optimizer holds
     current = optimizer.state_dict()
     template = {pid: dict(s) for pid, s in current["state"].items()}
     groups = loaded["param_groups"]

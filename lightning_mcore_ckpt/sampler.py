@@ -151,9 +151,15 @@ class ElasticSampler(DistributedSampler):  # type: ignore[type-arg]
                 f"seed={state_dict['seed']}, shuffle={state_dict['shuffle']}, this run has "
                 f"seed={self.seed}, shuffle={self.shuffle}; use the same to continue the order"
             )
-        self.epoch = int(state_dict["epoch"])
-        self.consumed_samples = int(state_dict["consumed_samples"])
-        self._resume_at = self.consumed_samples
+        epoch, consumed = int(state_dict["epoch"]), int(state_dict["consumed_samples"])
+        if consumed >= self._usable():
+            # Saved once its epoch was used up (between two epochs): what follows is the next
+            # epoch's first sample, whether or not the loop has announced that epoch yet.
+            self.epoch, self.consumed_samples, self._resume_at = epoch + 1, 0, None
+            return
+        self.epoch = epoch
+        self.consumed_samples = consumed
+        self._resume_at = consumed
 
 
 def is_elastic_state(state: Any) -> bool:

@@ -783,11 +783,17 @@ class MegatronStrategy(ParallelStrategy):
         from megatron.core.optimizer import MegatronOptimizer
 
         out: dict[str, Any] = {}
-        for idx, opt in enumerate(self._torch_optimizers()):
+        optimizers = self._torch_optimizers()
+        held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        assert self.lightning_module is not None
+        outside = [p for p in self.lightning_module.parameters() if id(p) not in held]
+        for idx, opt in enumerate(optimizers):
             if isinstance(opt, MegatronOptimizer):
                 out[f"optimizer_{idx}"] = opt.sharded_state_dict(model_ssd, is_loading=is_loading)
             else:
-                out[f"optimizer_{idx}"] = _optim.sharded_state_dict(opt, model_ssd)
+                out[f"optimizer_{idx}"] = _optim.sharded_state_dict(
+                    opt, model_ssd, outside if idx == 0 else ()
+                )
         return out
 
     # --- checkpoint: save -----------------------------------------------------------------

@@ -61,10 +61,12 @@ class JobModule(TinyGPTModule):
             for p in self.gpt.parameters():
                 p.requires_grad_(False)
             hidden = self.gpt.config.hidden_size
-            # A LoRA-style low-rank update of the output, the only trainable weights.
+            # A LoRA-style low-rank update of the output, the only trainable weights. One
+            # logical parameter, replicated: the same initial values on every rank.
+            g = torch.Generator().manual_seed(7)
             self.adapter = torch.nn.ParameterDict(
                 {
-                    "a": torch.nn.Parameter(torch.randn(hidden, 2) * 0.02),
+                    "a": torch.nn.Parameter(torch.randn(hidden, 2, generator=g) * 0.02),
                     "b": torch.nn.Parameter(torch.zeros(2, hidden)),
                 }
             )

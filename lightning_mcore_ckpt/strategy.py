@@ -288,11 +288,12 @@ class MegatronStrategy(ParallelStrategy):
         replaced by :class:`~lightning_mcore_ckpt.ElasticSampler` (same ``shuffle`` and ``seed``:
         Lightning's, from ``seed_everything``), which saves its exact position.
 
-        On one data-parallel rank the loader's own sampler is kept, except torchdata's shuffling
-        sampler given the loader's ``generator=``: every new iterator also draws its base seed
-        from that generator, a draw the restored sampler state does not hold, so the epochs after
-        a resume would be shuffled differently. It becomes an ``ElasticSampler`` seeded with the
-        generator's seed. A sampler of your own is kept as it is.
+        On one data-parallel rank the loader's shuffling (or sequential) sampler becomes an
+        ``ElasticSampler`` too, seeded with the loader's ``generator`` seed, else Lightning's: the
+        saved position then also holds after a change of the data-parallel size, and no draw
+        outside the checkpoint (torchdata's sampler shares the loader's generator with every
+        new iterator's base seed) changes the epochs after a resume. Like ``drop_last=True``, an
+        epoch's last incomplete global batch is skipped. A sampler of your own is kept as it is.
         """
         from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
         from torch.utils.data import DistributedSampler
@@ -312,19 +313,24 @@ class MegatronStrategy(ParallelStrategy):
             sampler = getattr(dataloader.batch_sampler, "sampler", None)
         generator = getattr(dataloader, "generator", None)
         seed: int
-        if (
-            type(sampler).__name__ == "RandomSampler"
-            and generator is not None
-            and getattr(sampler, "generator", None) is generator
-        ):
-            shuffle, seed = True, int(generator.initial_seed())  # type: ignore[union-attr]
-        elif type(sampler) is DistributedSampler:
+        if type(sampler) is DistributedSampler:
             shuffle, seed = sampler.shuffle, sampler.seed
         elif type(sampler) is DistributedSamplerWrapper:
             wrapped = type(getattr(sampler.dataset, "_sampler", None)).__name__
             if wrapped not in ("RandomSampler", "SequentialSampler"):
                 return dataloader  # the user's own sampler, sharded by Lightning: kept
             shuffle, seed = wrapped == "RandomSampler", sampler.seed
+        elif type(sampler).__name__ in ("RandomSampler", "SequentialSampler") and not getattr(
+            sampler, "replacement", False
+        ):
+            # One data-parallel rank: the loader's own shuffle. Seeded like the loader: its
+            # generator's seed, else Lightning's (seed_everything).
+            shuffle = type(sampler).__name__ == "RandomSampler"
+            seed = (
+                int(generator.initial_seed())
+                if generator is not None
+                else int(os.getenv("PL_GLOBAL_SEED", "0"))
+            )
         else:
             return dataloader
         from lightning.pytorch.utilities.data import _update_dataloader

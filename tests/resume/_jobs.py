@@ -49,13 +49,14 @@ class JobModule(TinyGPTModule):
         if self.frozen == "none" or self.adapter is not None:
             return
         if self.frozen in ("all_params", "trainable_only"):
-            # The input embedding and the first transformer layer (the first pipeline stage
-            # holds both). Megatron-Core stores the layers as one stacked tensor, so the layer
-            # stack is then partly frozen: layer 0 frozen, layer 1 training.
+            # The input embedding and the attention of the first transformer layer (the first
+            # pipeline stage holds both, and keeps its MLP training). Megatron-Core stores the
+            # layers as one stacked tensor, so the layer stack is then partly frozen: layer 0's
+            # attention frozen, layer 1's training.
             embedding = getattr(self.gpt, "embedding", None)
             if embedding is not None:
                 embedding.word_embeddings.weight.requires_grad_(False)
-                for p in self.gpt.decoder.layers[0].parameters():
+                for p in self.gpt.decoder.layers[0].self_attention.parameters():
                     p.requires_grad_(False)
         elif self.frozen == "lora":
             for p in self.gpt.parameters():

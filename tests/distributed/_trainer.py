@@ -24,11 +24,12 @@ def make_trainer(max_steps: int, strategy: Any, devices: int, **kwargs: Any) -> 
 
 
 def loader(num_samples: int, batch_size: int = 2, **kwargs: Any) -> Any:
-    from torch.utils.data import DataLoader
+    # Resumable: a plain DataLoader cannot be resumed inside an epoch (that is refused).
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
     from lightning_mcore_ckpt.tiny import TokenDataset
 
-    return DataLoader(TokenDataset(num_samples), batch_size=batch_size, **kwargs)
+    return StatefulDataLoader(TokenDataset(num_samples), batch_size=batch_size, **kwargs)
 
 
 def gathered_weights(trainer: Any) -> dict[str, torch.Tensor]:

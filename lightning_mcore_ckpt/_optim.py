@@ -160,9 +160,7 @@ def sharded_state_dict(
             if sharded.key in stateful:
                 key = f"{_OUTSIDE}{i}"
                 id_map[key] = sharded  # type: ignore[index]
-                state["state"][key] = {
-                    name: torch.zeros_like(outside[i]) for name in sorted(names)
-                }
+                state["state"][key] = {name: torch.zeros_like(outside[i]) for name in sorted(names)}
     scalar_keys = sorted({key for found in scalars for key in found})
     optim_state_to_sharding_state(state, id_map, exclude_keys=tuple(scalar_keys))
     return state

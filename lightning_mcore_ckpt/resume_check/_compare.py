@@ -66,7 +66,7 @@ class Divergence:
 
         found = report.results[0].divergence
         if found is not None and "data" in found.differs:
-            print("data order differs on ranks", found.differs["data"], found.detail)
+            ranks = found.differs["data"]  # where the data order differs; found.detail says how
     """
 
     step: int | None

@@ -59,8 +59,7 @@ class InterruptionResult:
 
     Example::
 
-        for result in report.results:
-            print(result.how, result.resumed_from, result.exact)
+        summary = [(r.how, r.resumed_from, r.exact) for r in report.results]
     """
 
     how: str
@@ -240,8 +239,7 @@ def check_resume(
     Example::
 
         report = check_resume(build, stop_at=5, max_steps=10, world_size=2)
-        print(report)
-        assert report.exact
+        assert report.exact, str(report)
     """
     hows = (how,) if isinstance(how, str) else tuple(how)
     bad = [h for h in hows if h not in ALL_HOWS]

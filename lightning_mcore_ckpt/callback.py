@@ -437,13 +437,17 @@ class MegatronCheckpoint(ModelCheckpoint):
 
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         loader = trainer.fit_loop._combined_loader
-        if loader is None or progress.completed == 0:
+        # Saved at a batch end, the batch is processed but not yet completed; Lightning counts it
+        # on restart, and a save after the epoch's last batch resumes at the next epoch.
+        done = max(progress.completed, progress.processed)
+        if loader is None or done == 0 or done >= trainer.num_training_batches:
             return
         plain = [type(dl).__name__ for dl in loader.flattened if not isinstance(dl, _Stateful)]
         if plain:
             raise ValueError(
                 f"MegatronCheckpoint(dirpath={str(self.dirpath)!r}): step {self._resumed_step} "
-                f"was saved inside an epoch (after batch {progress.completed - 1}), but the "
+                f"was saved inside an epoch (after {done} of its {trainer.num_training_batches} "
+                f"batches), but the "
                 f"train dataloader ({', '.join(plain)}) cannot restore its position: the rest "
                 "of the epoch would not see the data the uninterrupted run sees. Use "
                 "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader), save "

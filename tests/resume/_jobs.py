@@ -7,8 +7,10 @@ every rank of every run of :func:`check_resume`.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset
@@ -143,6 +145,20 @@ def _loader(kind: str, num_samples: int, clock_seed: bool = False) -> Any:
     )
 
 
+class _SlowBatches(pl.Callback):
+    """Makes every training batch last at least ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.monotonic()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(max(0.0, self.seconds - (time.monotonic() - self._start)))
+
+
 def build(
     layout: str = "dp2",
     cadence: str = "steps",
@@ -158,10 +174,6 @@ def build(
     unsaved_state: bool = False,
     clock_seed: bool = False,
 ) -> Any:
-    import time
-
-    import lightning.pytorch as pl
-
     from lightning_mcore_ckpt import MegatronCheckpoint, ResumeJob
 
     pl.seed_everything(time.time_ns() % 2**31 if clock_seed else 0, verbose=False)
@@ -171,6 +183,7 @@ def build(
     dp = world // (tp * pp)
     num_samples = steps_per_epoch * accumulate * BATCH * dp
     callback_kwargs: dict[str, Any] = {}
+    callbacks: list[Any] = []
     trainer_kwargs: dict[str, Any] = {}
     if cadence == "steps":
         callback_kwargs["every_n_train_steps"] = every
@@ -181,7 +194,11 @@ def build(
         callback_kwargs.update(every_n_epochs=1, save_on_train_epoch_end=True)
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
     elif cadence == "time":
-        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.5)
+        # Every batch outlasts the interval, so the time cadence fires at every optimizer step
+        # whatever the machine's speed (a step that ran faster than the interval would leave
+        # nothing saved before the interruption).
+        callback_kwargs["train_time_interval"] = datetime.timedelta(seconds=0.2)
+        callbacks.append(_SlowBatches(0.25))
     elif cadence == "topk":
         callback_kwargs.update(monitor="val_loss", save_top_k=2, every_n_epochs=1)
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
@@ -199,7 +216,7 @@ def build(
         max_steps=100,
         accumulate_grad_batches=accumulate,
         precision=precision,
-        callbacks=[MegatronCheckpoint("unused", **callback_kwargs)],
+        callbacks=[*callbacks, MegatronCheckpoint("unused", **callback_kwargs)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

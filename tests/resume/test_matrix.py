@@ -109,13 +109,15 @@ def test_resume_is_exact(tmp_path: Path, values: tuple[Any, ...]) -> None:
 
 @pytest.mark.matrix
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("stop_at", [1, 2], ids=["after-first-batch", "mid-epoch"])
 def test_a_plain_dataloader_resumed_inside_an_epoch_is_refused_before_training(
-    tmp_path: Path,
+    tmp_path: Path, stop_at: int
 ) -> None:
+    # A step saved at the last batch of an epoch resumes (the matrix's plain-loader cells).
     with pytest.raises(DistributedFailure, match=r"cannot restore its position") as failure:
         check_resume(
-            functools.partial(_jobs.build, layout="dp2", data="plain"),
-            stop_at=2,
+            functools.partial(_jobs.build, layout="dp2", data="plain", every=1),
+            stop_at=stop_at,
             max_steps=MAX_STEPS,
             how="sigterm",
             world_size=2,
@@ -123,6 +125,7 @@ def test_a_plain_dataloader_resumed_inside_an_epoch_is_refused_before_training(
             check_determinism=False,
         )
     assert "StatefulDataLoader" in str(failure.value)
+    assert f"after {stop_at} of its 4 batches" in str(failure.value)
     # Refused before any batch: the resumed run recorded none.
     probe = tmp_path / "work" / "sigterm" / "resumed" / "probe"
     assert not any(p.read_text().count('"loop"') for p in probe.glob("rank_*.jsonl"))

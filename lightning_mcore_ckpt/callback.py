@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _version, layout, metrics
+from lightning_mcore_ckpt import _compat, layout, metrics
 from lightning_mcore_ckpt.strategy import (
     LOADED_FROM_KEY,
     CheckpointSaveError,
@@ -439,7 +439,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         loader = trainer.fit_loop._combined_loader
         # Saved at a batch end, the batch is processed but not yet completed; Lightning counts it
         # on restart, and a save after the epoch's last batch resumes at the next epoch.
-        done = max(progress.completed, progress.processed)
+        done = max(progress.completed, getattr(progress, "processed", 0))
         if loader is None or done == 0 or done >= trainer.num_training_batches:
             return
         plain = [type(dl).__name__ for dl in loader.flattened if not isinstance(dl, _Stateful)]
@@ -752,7 +752,8 @@ class MegatronCheckpoint(ModelCheckpoint):
             "monitor": monitor,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "host": socket.gethostname(),
-            "versions": _versions(),
+            "versions": _compat.versions(),
+            "writer": _compat.async_strategy(),
         }
         contents = [c for c in self.save_contents if c != "hf_model"]
         export = self.hf_export is not None and (
@@ -985,15 +986,3 @@ def _validation_enabled(trainer: pl.Trainer) -> bool:
     batches = trainer.num_val_batches
     total = sum(batches) if isinstance(batches, list) else batches
     return bool(trainer.enable_validation and total)
-
-
-def _versions() -> dict[str, str]:
-    import lightning
-    import megatron.core
-
-    return {
-        "lightning_mcore_ckpt": _version.__version__,
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "megatron_core": getattr(megatron.core, "__version__", "unknown"),
-    }

@@ -169,6 +169,8 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mark = "  (last)" if step == result.last else ""
         size = report.human_bytes(meta.get("size_bytes"))
         print(f"  global_step_{step}  {size:>10}  {', '.join(contents)}{mark}")
+        if report.written_by(meta):
+            print(f"      written by {report.written_by(meta)}")
     for step, problems in sorted(result.damaged.items()):
         print(f"  global_step_{step}  DAMAGED: {'; '.join(problems[:3])}")
     for stale in result.incomplete:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_mcore_ckpt import _cpu, layout
+from lightning_mcore_ckpt import _compat, _cpu, layout
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -203,7 +203,11 @@ class HFBridge:
         if "_DIRECT_MAPPING" in maps and not getattr(self.hf_config, "tie_word_embeddings", False):
             maps["_DIRECT_MAPPING"]["output_layer.weight"] = "lm_head.weight"
         cls = type(f"_{base.__name__}", (base,), maps)
-        self.bridge = cls(self.hf_config, dtype=self.dtype, parallel_states=ParallelStates())
+        self.bridge = cls(
+            _compat.mbridge_hf_config(self.hf_config),
+            dtype=self.dtype,
+            parallel_states=ParallelStates(),
+        )
         self.model_type: str = model_type
         self.vocab_size: int = int(self.hf_config.vocab_size)
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))

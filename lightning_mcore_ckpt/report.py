@@ -105,6 +105,32 @@ def _layout(value: Any) -> str:
     return " ".join(f"{short}{value[key]}" for short, key in _LAYOUT_KEYS if key in value)
 
 
+_VERSION_NAMES = (
+    ("megatron_core", "megatron-core"),
+    ("torch", "torch"),
+    ("transformers", "transformers"),
+    ("mbridge", "mbridge"),
+    ("lightning", "lightning"),
+    ("lightning_mcore_ckpt", "lightning-mcore-ckpt"),
+)
+
+
+def written_by(meta: Mapping[str, Any]) -> str:
+    """The versions (and checkpoint writer) that wrote a step, from its metadata; ``""`` if unknown.
+
+    Example::
+
+        written_by({"versions": {"megatron_core": "0.19.2", "torch": "2.13.0"}})
+        # -> "megatron-core 0.19.2, torch 2.13.0"
+    """
+    versions = meta.get("versions")
+    if not isinstance(versions, Mapping):
+        return ""
+    text = ", ".join(f"{name} {versions[key]}" for key, name in _VERSION_NAMES if key in versions)
+    writer = meta.get("writer")
+    return f"{text} (writer: {writer})" if writer else text
+
+
 def format_table(report: Report) -> str:
     """The report as a plain-text table, then the incomplete steps.
 
@@ -157,6 +183,14 @@ def format_table(report: Report) -> str:
         lines.extend(fmt(r) for r in rows)
         if report.last is not None:
             lines.append('* "last": what trainer.fit(ckpt_path="last") resumes from')
+        by: dict[str, list[str]] = {}
+        for meta in report.complete:
+            text = written_by(meta)
+            if text:
+                by.setdefault(text, []).append(str(meta.get("global_step")))
+        for text, steps in by.items():
+            which = "every step" if len(by) == 1 else f"step(s) {', '.join(steps)}"
+            lines.append(f"{which} written by {text}")
     for step, problems in sorted(report.damaged.items()):
         lines.append(f'DAMAGED global_step_{step} (skipped by "last"): {"; ".join(problems[:3])}')
     if report.incomplete:

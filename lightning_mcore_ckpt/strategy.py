@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _cpu, _optim, _parallel, layout
+from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, layout
 from lightning_mcore_ckpt._rng import RNGState
 
 if TYPE_CHECKING:
@@ -922,6 +922,7 @@ class MegatronStrategy(ParallelStrategy):
                     str(path / MODEL_DIR),
                     sharded_strategy=self._save_strategy(),
                     async_sharded_save=True,
+                    **_compat.save_kwargs(),
                 )
             )
         if "optimizer" in contents and self.optimizers:
@@ -932,6 +933,7 @@ class MegatronStrategy(ParallelStrategy):
                     str(path / OPTIM_DIR),
                     sharded_strategy=self._save_strategy(),
                     async_sharded_save=True,
+                    **_compat.save_kwargs(),
                 )
             )
         write_timer = torch.zeros(1, dtype=torch.float64).share_memory_()
@@ -952,6 +954,7 @@ class MegatronStrategy(ParallelStrategy):
             "path": str(path),
             "contents": contents,
             "async": async_save,
+            "writer": _compat.async_strategy(),
             "parallel_layout": self.parallel_layout(),
             "start_time": start,
             "extra_write_s": extra_write_s,
@@ -1060,10 +1063,9 @@ class MegatronStrategy(ParallelStrategy):
             fn(record)
 
     def _get_async_queue(self) -> Any:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
         if self._async_queue is None:
-            self._async_queue = AsyncCallsQueue()
+            async_calls_queue, _ = _compat.async_classes()
+            self._async_queue = async_calls_queue()
         return self._async_queue
 
     def finalize_pending_save(self, blocking: bool = False) -> bool:
@@ -1143,6 +1145,7 @@ class MegatronStrategy(ParallelStrategy):
                 f"{path} is not a lightning-mcore-ckpt step directory: it has no {MODEL_DIR}/ "
                 "(expected model/, optim/, extra/)"
             )
+        _compat.check_readable(path)
         self._load_weights(path)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
@@ -1338,11 +1341,16 @@ def _weights_only(path: Path) -> bool:
 def _run_in_order(
     calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
     write_timer: torch.Tensor,
+    writer: str,
 ) -> None:
     # Runs in the background writer process for an async save: write_timer is shared memory.
     start = time.perf_counter()
     for fn, args, kwargs in calls:
-        fn(*args, **kwargs)
+        if writer == _compat.BUILTIN:
+            with _compat.write_errors_keep_their_cause(args) as args:
+                fn(*args, **kwargs)
+        else:
+            fn(*args, **kwargs)
     write_timer[0] = time.perf_counter() - start
 
 
@@ -1355,8 +1363,7 @@ def _combine_async_requests(requests: Sequence[Any], write_timer: torch.Tensor) 
     finalisers read them. Staging (``preload_fn``) happens here, on the training thread: it is
     the snapshot the background writes from.
     """
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
+    _, async_request = _compat.async_classes()
     calls = []
     finalize_fns: list[Callable[[], None]] = []
     for req in requests:
@@ -1366,7 +1373,9 @@ def _combine_async_requests(requests: Sequence[Any], write_timer: torch.Tensor) 
         if req.async_fn is not None:
             calls.append((req.async_fn, tuple(args), dict(req.async_fn_kwargs)))
         finalize_fns.extend(req.finalize_fns)
-    return AsyncRequest(_run_in_order, (calls, write_timer), finalize_fns)
+    return async_request(
+        _run_in_order, (calls, write_timer, _compat.async_strategy()), finalize_fns
+    )
 
 
 def _all_reduce_flat(

@@ -1,24 +1,45 @@
-# Sourced by scripts/demo.sh and scripts/test.sh: make sure ./.venv exists and is up to date.
+# Sourced by scripts/demo.sh and scripts/test.sh: make sure the virtual environment of the chosen
+# combination exists and is up to date, and put it first on PATH.
 #
-# Idempotent: the environment is (re)built only when it is missing or when pyproject.toml or
-# constraints.txt changed since it was built. torch is pinned to 2.13.0 (its CPU build is on
-# these machines' disk); everything else resolves through the committed constraints.txt.
+# Two supported combinations, each pinned by its constraints file:
+#   PYTHON=python3.12 (default): megatron-core 0.19, transformers 5   -> .venv-py3.12, constraints-py3.12.txt
+#   PYTHON=python3.11:           megatron-core 0.16, transformers 4   -> .venv-py3.11, constraints-py3.11.txt
+# torch is 2.13.0 on both: on Python 3.11 its CPU build lies on these machines' disk; on Python
+# 3.12 pip takes the registry's CUDA build (~4 GB, about two minutes; it runs on CPU too).
+# Idempotent: an environment is (re)built only when it is missing or when what it was built from
+# (the Python version, pyproject.toml, the constraints file) changed since.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
-PY="${PYTHON:-python3.11}"
-command -v "$PY" >/dev/null 2>&1 || PY=python3
-stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -d' ' -f1)"
+PY="${PYTHON:-python3.12}"
+if ! command -v "$PY" >/dev/null 2>&1; then
+  # pyenv installs every version but puts only one on PATH.
+  found="$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"${PY#python}"*/bin/"$PY" 2>/dev/null | tail -1 || true)"
+  if [ -z "$found" ]; then
+    echo "error: PYTHON=$PY was not found; install it (e.g. pyenv install ${PY#python}) or pass PYTHON=python3.11" >&2
+    exit 2
+  fi
+  PY="$found"
+fi
+PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+CONSTRAINTS="$ROOT/constraints-py$PYVER.txt"
+if [ ! -f "$CONSTRAINTS" ]; then
+  echo "error: no pinned combination for Python $PYVER ($CONSTRAINTS); use PYTHON=python3.12 or PYTHON=python3.11" >&2
+  exit 2
+fi
+VENV="$ROOT/.venv-py$PYVER"
+stamp="$( (echo "$PYVER"; cat "$ROOT/pyproject.toml" "$CONSTRAINTS") | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp" ]; then
-  echo "setting up $VENV (once) ..." >&2
+  echo "setting up $VENV (Python $PYVER, once) ..." >&2
+  rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" torch
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      -c "$ROOT/constraints.txt" -e "$ROOT[dev,wandb,plot,cli,docs]"
+      -c "$CONSTRAINTS" -e "$ROOT[dev,wandb,plot,cli,docs]"
   echo "$stamp" > "$VENV/.stamp"
 fi
 export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV"
 export WANDB_MODE="${WANDB_MODE:-offline}"
 export TOKENIZERS_PARALLELISM=false
 export NO_MKDOCS_2_WARNING=1

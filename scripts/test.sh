@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Lint, type-check, build the docs site (strict) and run the whole test suite (unit,
-# distributed and faults on CPU/gloo, examples; the gpu tier skips itself without CUDA).
+# distributed and faults on CPU/gloo, examples, packaging; the gpu tier skips itself without
+# CUDA). PYTHON=python3.11 selects the other supported combination (scripts/_env.sh). Where the
+# other combination's environment exists, the cross-version test runs against it.
 # Extra arguments go to pytest.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+for other in "$ROOT"/.venv-py3.1[12]; do
+  if [ "$other" != "$VENV" ] && [ -x "$other/bin/python" ] && [ -z "${LMC_OTHER_PYTHON:-}" ]; then
+    export LMC_OTHER_PYTHON="$other/bin/python"
+  fi
+done
 ruff check .
 ruff format --check .
 mypy

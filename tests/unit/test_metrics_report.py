@@ -94,8 +94,16 @@ def _step(root: Path, step: int, **figures: Any) -> Path:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     root = tmp_path / "run"
-    _step(root, 10)
-    _step(root, 20, blocking_time_s=0.5, **{"async": False})
+    # A directory resumed under a newer megatron-core: each step names what wrote it.
+    _step(root, 10, versions={"megatron_core": "0.16.1", "torch": "2.13.0"}, writer="mcore")
+    _step(
+        root,
+        20,
+        blocking_time_s=0.5,
+        versions={"megatron_core": "0.19.2", "torch": "2.13.0", "transformers": "5.23.0"},
+        writer="nvrx",
+        **{"async": False},
+    )
     (layout.step_dir(root, 30) / "model").mkdir(parents=True)  # crashed mid-write
     garbled = layout.step_dir(root, 40)
     garbled.mkdir()
@@ -130,9 +138,12 @@ def test_report_lists_complete_steps_and_names_incomplete_ones(run_dir: Path) ->
         "dp4",
     ]
     assert rows[1][0] == "20*" and rows[1][6] == "0.500" and rows[1][9] == "sync"
-    assert lines[-1] == (
-        "incomplete (never committed, not resumable): global_step_30, global_step_40"
-    )
+    assert lines[-3:] == [
+        "step(s) 10 written by megatron-core 0.16.1, torch 2.13.0 (writer: mcore)",
+        "step(s) 20 written by megatron-core 0.19.2, torch 2.13.0, transformers 5.23.0 "
+        "(writer: nvrx)",
+        "incomplete (never committed, not resumable): global_step_30, global_step_40",
+    ]
 
 
 def test_report_cli_prints_the_table_and_draws_the_plot(
@@ -213,9 +224,11 @@ def test_ls_lists_contents_and_exports(run_dir: Path, capsys: pytest.CaptureFixt
         json.loads((layout.step_dir(run_dir, 10) / "metadata.json").read_text())["size_bytes"]
     )
     assert lines[1].split() == ["global_step_10", *size.split(), "model,", "optimizer"]
-    assert lines[2].split()[0] == "global_step_20"
-    assert lines[2].endswith("model, optimizer, huggingface  (last)")
-    assert lines[3:] == [
+    assert lines[2] == "      written by megatron-core 0.16.1, torch 2.13.0 (writer: mcore)"
+    assert lines[3].split()[0] == "global_step_20"
+    assert lines[3].endswith("model, optimizer, huggingface  (last)")
+    assert lines[4].startswith("      written by megatron-core 0.19.2, torch 2.13.0")
+    assert lines[5:] == [
         "  global_step_30  incomplete (never committed)",
         "  global_step_40  incomplete (never committed)",
     ]

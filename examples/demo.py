@@ -123,10 +123,12 @@ def main() -> None:
     cli(["report", str(out / "run"), "--plot", str(out / "saves.png")])
     print()
     exported = out / "run" / f"global_step_{resumed.global_step}" / "huggingface"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    # The tiny word-level tokenizer, loaded as what it is (transformers 5's AutoTokenizer would
+    # build Qwen2's own byte-level BPE around its vocabulary).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(exported, local_files_only=True)
     prompt = tokenizer("a b c", return_tensors="pt", return_token_type_ids=False)
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     print(f"Hugging Face copy: {exported}")

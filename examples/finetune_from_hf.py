@@ -73,11 +73,13 @@ def main() -> None:
 
     if trainer.global_rank != 0:
         return
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     exported = out / "checkpoints" / f"global_step_{trainer.global_step}" / "huggingface"
     model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    # The tiny word-level tokenizer, loaded as what it is (transformers 5's AutoTokenizer would
+    # build Qwen2's own byte-level BPE around its vocabulary).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(exported, local_files_only=True)
     prompt = tokenizer("a b c", return_tensors="pt", return_token_type_ids=False)
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     losses = ", ".join(f"{float(x):.4f}" for x in module.step_losses)

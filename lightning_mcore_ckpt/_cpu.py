@@ -1,11 +1,12 @@
 """Make stock Megatron-Core run on CPU with a gloo process group.
 
-This is the only module in the package that changes third-party behaviour, and it changes
-nothing when CUDA is available: :func:`install` returns ``False`` at once on a CUDA machine,
-so GPU users always run the stock NCCL/CUDA code paths.
+This is the only module in the package that adapts third-party code to the CPU (differences
+between library versions live in :mod:`._compat`), and it changes nothing when CUDA is
+available: :func:`install` returns ``False`` at once on a CUDA machine, so GPU users always run
+the stock NCCL/CUDA code paths.
 
-Without CUDA, Megatron-Core 0.16 fails in a handful of places that are not about computation
-at all. Each adaptation below is the smallest that makes the stock code path run:
+Without CUDA, Megatron-Core (0.16 to 0.19) fails in a handful of places that are not about
+computation at all. Each adaptation below is the smallest that makes the stock code path run:
 
 * **``torch.cuda`` as "the device".** A listed set of Megatron modules (``_MODULES_ON_CPU``:
   tensor-parallel layers and mappings, rotary embeddings, the GPT model, attention, the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -268,6 +269,12 @@ def _check_resume(args: argparse.Namespace) -> int:
     from lightning_mcore_ckpt.resume_check import check_resume
     from lightning_mcore_ckpt.resume_check._run import HOWS
 
+    # With --json, stdout carries the report only: what the runs print (progress, model
+    # summaries) goes to stderr, also from the rank processes started meanwhile.
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    if args.json:
+        os.dup2(2, 1)
     try:
         report = check_resume(
             args.config,
@@ -278,6 +285,10 @@ def _check_resume(args: argparse.Namespace) -> int:
         )
     except (FileNotFoundError, ValueError) as err:
         return _fail(err)
+    finally:
+        sys.stdout.flush()
+        os.dup2(stdout, 1)
+        os.close(stdout)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0 if report.exact else 1
 

@@ -106,7 +106,7 @@ def tiny_gpt(
 
 
 def _tiny_tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<unk>"]
@@ -118,6 +118,8 @@ def _tiny_tokenizer(vocab_size: int) -> Any:
         word += 1
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # Words are joined by spaces when decoding (transformers 5 no longer adds them itself).
+    tok.decoder = decoders.WordPiece(prefix="##")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )

@@ -1,0 +1,72 @@
+"""GPU tier: async saves through NVIDIA's resiliency extension resume exactly (1 GPU).
+
+Runs where CUDA and a compatible nvidia-resiliency-ext (>= 0.6, megatron-core 0.19) are
+installed; elsewhere the built-in writer is used and this test skips.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_mcore_ckpt import _compat, check_resume, layout
+from lightning_mcore_ckpt.resume_check import ResumeJob
+
+
+def _nvrx_usable() -> bool:
+    return torch.cuda.is_available() and _compat.async_strategy() == _compat.NVRX
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and not _nvrx_usable(),
+        reason="needs nvidia-resiliency-ext >= 0.6 with megatron-core 0.19",
+    ),
+]
+
+
+def build(async_save: bool = True) -> ResumeJob:
+    import lightning.pytorch as pl
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy=MegatronStrategy(ckpt_async_save=async_save),
+        accelerator="gpu",
+        devices=1,
+        max_steps=100,
+        callbacks=[MegatronCheckpoint("unused", every_n_train_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    generator = torch.Generator().manual_seed(0)
+    loader: Any = StatefulDataLoader(
+        TokenDataset(32), batch_size=2, shuffle=True, generator=generator
+    )
+    return ResumeJob(trainer, TinyGPTModule(dropout=0.1), train_dataloaders=loader)
+
+
+def test_async_saves_through_nvrx_resume_exactly(tmp_path: Path) -> None:
+    report = check_resume(
+        build,
+        stop_at=4,
+        max_steps=7,
+        how=("sigterm", "kill"),
+        world_size=1,
+        workdir=tmp_path / "work",
+        check_determinism=False,
+    )
+    assert report.exact, str(report)
+    for how in ("sigterm", "kill"):
+        metadata = layout.read_metadata(tmp_path / "work" / how / "checkpoints" / "global_step_4")
+        assert metadata is not None and metadata["writer"] == _compat.NVRX, metadata

@@ -55,6 +55,10 @@ def _rank_main(
 ) -> None:
     # A session of its own, so that the parent can kill the rank with everything it started.
     os.setsid()
+    # A rank started by the forkserver inherits its start method; a rank a launcher starts as a
+    # fresh process has the platform's default (fork on Linux before Python 3.14), which is what
+    # its DataLoader workers and checkpoint writers then use.
+    mp.set_start_method(mp.get_all_start_methods()[0], force=True)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

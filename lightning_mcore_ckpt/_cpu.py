@@ -28,6 +28,9 @@ computation at all. Each adaptation below is the smallest that makes the stock c
   tensor, so training could mutate what the background writer is about to write. On CPU,
   staging copies, which is what the device-to-host copy does on GPU.
 
+* **Shard writers' results queue.** Megatron-Core starts the Manager behind it with "spawn",
+  which re-imports the main script's modules in the child (seconds at every process's first
+  save) to keep CUDA state out of it; on CPU it is forked.
 * **Mixed precision.** Megatron-Core's tensor-parallel linear functions declare their autocast
   behaviour for ``"cuda"`` only (``torch.amp.custom_fwd(device_type="cuda")``), so under CPU
   autocast (``precision="bf16-mixed"``) their backward runs without it and multiplies a bf16
@@ -275,6 +278,27 @@ def _patch_dist_checkpointing() -> None:
 
     preload_tensors.__wrapped__ = original  # type: ignore[attr-defined]
     writer.preload_tensors = staticmethod(preload_tensors)  # type: ignore[method-assign,assignment]
+
+    # The shard writers report through a queue of a Manager process started with "spawn"
+    # (megatron-core 0.16: _get_write_results_queue(); 0.19: get_write_results_queue(mp_mode=
+    # "spawn")). A spawned process re-imports the main script's modules: torch, Megatron-Core,
+    # Lightning, seconds at the first save of every process. Its "spawn" keeps CUDA state out of
+    # the child; without CUDA there is none, so the Manager is forked.
+    import multiprocessing as mp
+
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        stock = getattr(filesystem_async, name, None)
+        if stock is None:
+            continue
+
+        def forked_queue(*args: Any, **kwargs: Any) -> Any:
+            with filesystem_async._disable_gc():
+                if filesystem_async._results_queue is None:
+                    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+            return filesystem_async._results_queue
+
+        forked_queue.__wrapped__ = stock  # type: ignore[attr-defined]
+        setattr(filesystem_async, name, forked_queue)
 
 
 # --- autocast of Megatron-Core's autograd functions ----------------------------------------------

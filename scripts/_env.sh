@@ -11,8 +11,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3.12}"
-if ! command -v "$PY" >/dev/null 2>&1; then
-  # pyenv installs every version but puts only one on PATH.
+if ! "$PY" -c '' >/dev/null 2>&1; then
+  # pyenv installs every version but puts only one on PATH (the others' shims refuse to run).
   found="$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"${PY#python}"*/bin/"$PY" 2>/dev/null | tail -1 || true)"
   if [ -z "$found" ]; then
     echo "error: PYTHON=$PY was not found; install it (e.g. pyenv install ${PY#python}) or pass PYTHON=python3.11" >&2

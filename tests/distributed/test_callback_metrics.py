@@ -23,6 +23,7 @@ SAVE_EVERY = 2
 MAX_STEPS = 6
 SAVED_STEPS = [2, 4, 6]
 TRAINING_BETWEEN_S = 0.3
+WRITE_TAKES_S = 1.0
 """Sleep at every batch start: training the loop does while an async save is in flight."""
 LOGGED = (
     "blocking_time_s",
@@ -48,6 +49,25 @@ def _train_with_loggers(rank: int, world_size: int, tmp: str, async_save: bool) 
         # training loop does this much work between a save and its finalisation.
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             time.sleep(TRAINING_BETWEEN_S)
+
+    if async_save:
+        # The background write takes longer than a training step whatever the machine's speed,
+        # so training goes on before the save is finalised.
+        import functools
+        import inspect
+
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        writer = filesystem_async.FileSystemWriterAsync
+        stock = writer.write_preloaded_data
+
+        @functools.wraps(stock)
+        def slow_write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(WRITE_TAKES_S)
+            return stock(*args, **kwargs)
+
+        slow_write.__signature__ = inspect.signature(stock)  # type: ignore[attr-defined]
+        writer.write_preloaded_data = staticmethod(slow_write)  # type: ignore[method-assign]
 
     loggers = [
         WandbLogger(project="metrics-test", save_dir=tmp, offline=True),

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _compat, layout, metrics
+from lightning_mcore_ckpt import _atomic, _compat, layout, metrics, retention
 from lightning_mcore_ckpt.strategy import (
     LOADED_FROM_KEY,
     CheckpointSaveError,
@@ -731,7 +731,7 @@ class MegatronCheckpoint(ModelCheckpoint):
             elif target.exists():
                 # Left by a crashed save of this same step: it never committed.
                 log.warning("removing incomplete %s before saving it again", target)
-                layout.remove_step(target)
+                retention.remove_step(target)
         decision = strategy.broadcast(decision)
         if decision == "exists":
             log.info("%s is already complete; not saving it again", target)
@@ -850,7 +850,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
         metadata["total_time_s"] = time.perf_counter() - started
         text, metadata = metrics.encode_metadata(metadata, data_bytes)
-        layout.write_text_atomic(target / layout.METADATA_FILE, text)
+        _atomic.write_text(target / layout.METADATA_FILE, text)
         layout.write_tracker(self.dirpath, metadata["global_step"])
         log.info(
             "committed %s: %.3f GB, blocked training %.3fs, %.3fs in all",
@@ -877,7 +877,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         metadata["contents"] = contents
         data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
         text, metadata = metrics.encode_metadata(metadata, data_bytes)
-        layout.write_text_atomic(target / layout.METADATA_FILE, text)
+        _atomic.write_text(target / layout.METADATA_FILE, text)
         log.info("exported %s/%s in %.1fs", target, "huggingface", seconds)
         # Only the export's figure: the save's own were logged at its commit.
         return {"global_step": metadata["global_step"], "hf_export_time_s": seconds}
@@ -906,13 +906,13 @@ class MegatronCheckpoint(ModelCheckpoint):
         for stale in layout.incomplete_steps(self.dirpath):
             if stale.step < committed and layout.is_ours(stale.path):
                 log.info("removing incomplete %s (a newer step is committed)", stale.path)
-                layout.remove_step(stale.path)
+                retention.remove_step(stale.path)
         protect = {committed}
         if self._resumed_step is not None:
             newest = layout.complete_steps(self.dirpath)
             if newest and newest[-1].step == self._resumed_step:
                 protect.add(self._resumed_step)
-        doomed = layout.retention_plan(
+        doomed = retention.retention_plan(
             layout.complete_steps(self.dirpath),
             max_to_keep=self.max_to_keep,
             monitor=self.monitor,
@@ -922,7 +922,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         )
         for old in doomed:
             log.info("retention: removing %s", old.path)
-            layout.remove_step(old.path)
+            retention.remove_step(old.path)
 
 
 def _zero(progress: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_mcore_ckpt import _compat, _cpu, layout
+from lightning_mcore_ckpt import _atomic, _compat, _cpu, layout
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -58,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HF_DIR = "huggingface"
+HF_DIR = layout.HF_DIR
 """Name of a step's Hugging Face copy."""
 WHEN = ("end", "every_save", "never")
 _LAYERS = "decoder.layers."
@@ -633,7 +633,7 @@ def export_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             partial.rename(target)
-        layout._fsync_dir(target.parent)
+        _atomic.fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -770,7 +770,7 @@ def _fsync_tree(path: Path) -> None:
         if entry.is_file():
             with open(entry, "rb") as f:
                 os.fsync(f.fileno())
-    layout._fsync_dir(path)
+    _atomic.fsync_dir(path)
 
 
 # --- Hugging Face weights into a live model -------------------------------------------------
@@ -995,7 +995,6 @@ def import_checkpoint(
         _parallel.initialize(backend="gloo")
     try:
         model: Any = bridge.gpt_model()
-        from lightning_mcore_ckpt.strategy import MODEL_DIR
 
         def ssd() -> dict[str, Any]:
             return dict(model.sharded_state_dict(prefix=prefix))
@@ -1004,11 +1003,11 @@ def import_checkpoint(
         partial = target.parent / f".{target.name}.partial-{os.getpid()}"
         if partial.exists():
             shutil.rmtree(partial)
-        (partial / MODEL_DIR).mkdir(parents=True)
+        (partial / layout.MODEL_DIR).mkdir(parents=True)
         try:
             from megatron.core import dist_checkpointing
 
-            dist_checkpointing.save(ssd(), str(partial / MODEL_DIR))
+            dist_checkpointing.save(ssd(), str(partial / layout.MODEL_DIR))
             metadata = {
                 "format_version": layout.METADATA_FORMAT_VERSION,
                 "global_step": 0,
@@ -1019,7 +1018,7 @@ def import_checkpoint(
                 "module_prefix": prefix,
                 "dtype": str(bridge.dtype).removeprefix("torch."),
             }
-            layout.write_json_atomic(partial / layout.METADATA_FILE, metadata)
+            _atomic.write_json(partial / layout.METADATA_FILE, metadata)
             if target.exists():
                 shutil.rmtree(target)
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -23,18 +23,24 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import zipfile
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_mcore_ckpt import _atomic
+from lightning_mcore_ckpt._lock import LOCK_FILE, DirectoryLock
+
 __all__ = [
+    "EXTRA_DIR",
+    "EXTRA_FORMAT_VERSION",
+    "HF_DIR",
     "LOCK_FILE",
     "METADATA_FILE",
     "METADATA_FORMAT_VERSION",
+    "MODEL_DIR",
+    "OPTIM_DIR",
     "STARTED_MARKER",
     "TRACKER_FILE",
     "DirectoryLock",
@@ -46,15 +52,11 @@ __all__ = [
     "mark_step_started",
     "read_metadata",
     "read_tracker",
-    "remove_step",
     "resolve_checkpoint",
     "resolve_last",
-    "retention_plan",
     "step_dir",
     "step_number",
     "verify_step",
-    "write_json_atomic",
-    "write_text_atomic",
     "write_tracker",
 ]
 
@@ -63,8 +65,17 @@ log = logging.getLogger(__name__)
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STARTED_MARKER = ".lightning_mcore_ckpt"
-LOCK_FILE = ".lightning_mcore_ckpt.lock"
 METADATA_FORMAT_VERSION = 1
+MODEL_DIR = "model"
+"""Sub-directory of a step with the model's dist-checkpoint."""
+OPTIM_DIR = "optim"
+"""Sub-directory of a step with the optimizers' dist-checkpoint."""
+EXTRA_DIR = "extra"
+"""Sub-directory of a step with one ``rank_<r>.pt`` per rank (RNG, Lightning's state)."""
+HF_DIR = "huggingface"
+"""Sub-directory of a step with its Hugging Face export."""
+EXTRA_FORMAT_VERSION = 1
+"""Version of the ``extra/rank_<r>.pt`` payload."""
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 
 
@@ -90,43 +101,6 @@ def step_number(path: str | os.PathLike[str]) -> int | None:
     """
     match = _STEP_RE.match(Path(path).name)
     return int(match.group(1)) if match else None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` durably: temporary file, fsync, rename, fsync of the directory.
-
-    A reader sees either the old file or the whole new one, never a partial write.
-    """
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
-    """:func:`write_text_atomic` of ``data`` as indented JSON."""
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -158,7 +132,7 @@ def mark_step_started(path: str | os.PathLike[str]) -> None:
     """Create a step directory with this package's start marker (before anything is written)."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(
+    _atomic.write_json(
         p / STARTED_MARKER,
         {
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -219,7 +193,7 @@ def read_tracker(dirpath: str | os.PathLike[str]) -> int | None:
 
 def write_tracker(dirpath: str | os.PathLike[str], step: int) -> None:
     """Point the tracker at ``step`` (atomically)."""
-    write_text_atomic(Path(dirpath) / TRACKER_FILE, f"{step}\n")
+    _atomic.write_text(Path(dirpath) / TRACKER_FILE, f"{step}\n")
 
 
 def _verify_dist_checkpoint(directory: Path) -> list[str]:
@@ -264,14 +238,14 @@ def verify_step(path: str | os.PathLike[str]) -> list[str]:
         return [f"{p / METADATA_FILE} is missing or not valid JSON"]
     contents = meta.get("contents", ["model"])
     problems = []
-    for sub, wanted in (("model", "model"), ("optim", "optimizer")):
+    for sub, wanted in ((MODEL_DIR, "model"), (OPTIM_DIR, "optimizer")):
         if wanted in contents:
             problems += _verify_dist_checkpoint(p / sub)
     if "extra" in contents:
-        ranks = sorted((p / "extra").glob("rank_*.pt"))
+        ranks = sorted((p / EXTRA_DIR).glob("rank_*.pt"))
         world = (meta.get("parallel_layout") or {}).get("world_size")
         if isinstance(world, int) and len(ranks) != world:
-            problems.append(f"{p / 'extra'} has {len(ranks)} rank files, the save had {world}")
+            problems.append(f"{p / EXTRA_DIR} has {len(ranks)} rank files, the save had {world}")
         for rank_file in ranks:
             if not zipfile.is_zipfile(rank_file):
                 problems.append(f"{rank_file} is truncated or damaged")
@@ -345,7 +319,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             f"checkpoint path {p} does not exist or is not a directory; complete steps in "
             f"{parent}: {steps}. Pass one of them, a checkpoint dirpath, or ckpt_path='last'"
         )
-    if (p / "model").is_dir() or (p / METADATA_FILE).exists():
+    if (p / MODEL_DIR).is_dir() or (p / METADATA_FILE).exists():
         parent = p.parent
         managed = (parent / TRACKER_FILE).exists() or bool(complete_steps(parent))
         if managed and _STEP_RE.match(p.name) and not is_complete(p):
@@ -354,7 +328,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
                 f"never finished); complete steps in {parent}: {_describe_complete(parent)}. "
                 "Pass one of them, or ckpt_path='last'"
             )
-        problems = verify_step(p) if is_complete(p) else _verify_dist_checkpoint(p / "model")
+        problems = verify_step(p) if is_complete(p) else _verify_dist_checkpoint(p / MODEL_DIR)
         if problems:
             listed = "\n  ".join(problems[:10])
             intact = [s.path.name for s in complete_steps(parent) if not verify_step(s.path)]
@@ -373,169 +347,3 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             "or ckpt_path='last' to start from scratch when there is none"
         )
     return newest
-
-
-def _monitor_value(meta: Mapping[str, Any] | None, monitor: str) -> float | None:
-    if not meta:
-        return None
-    entry = meta.get("monitor")
-    if not isinstance(entry, Mapping) or entry.get("name") != monitor:
-        return None
-    value = entry.get("value")
-    if not isinstance(value, int | float) or value != value:  # NaN never ranks
-        return None
-    return float(value)
-
-
-def retention_plan(
-    steps: Iterable[StepDir],
-    *,
-    max_to_keep: int | None,
-    monitor: str | None = None,
-    save_top_k: int = 1,
-    mode: str = "min",
-    protect: Iterable[int] = (),
-) -> list[StepDir]:
-    """Which complete steps to delete: all but the newest ``max_to_keep``, the top-k by
-    ``monitor`` (read from each step's metadata) and the ``protect``-ed steps.
-
-    With ``max_to_keep=None`` nothing is deleted. ``save_top_k=-1`` keeps every step that has a
-    value for ``monitor``.
-    """
-    ordered = sorted(steps)
-    if max_to_keep is None:
-        return []
-    keep = {s.step for s in ordered[-max_to_keep:]} if max_to_keep > 0 else set()
-    keep |= set(protect)
-    if monitor is not None and save_top_k != 0:
-        scored = [
-            (v, s.step)
-            for s in ordered
-            if (v := _monitor_value(read_metadata(s.path), monitor)) is not None
-        ]
-        scored.sort(key=lambda vs: (vs[0] if mode == "min" else -vs[0], -vs[1]))
-        ranked = scored if save_top_k < 0 else scored[:save_top_k]
-        keep |= {step for _, step in ranked}
-    return [s for s in ordered if s.step not in keep]
-
-
-def remove_step(path: str | os.PathLike[str]) -> None:
-    """Delete a step directory so that a crash midway leaves it *incomplete*, never damaged.
-
-    The commit marker goes first (atomically), then the rest.
-    """
-    p = Path(path)
-    if not _STEP_RE.match(p.name):
-        raise ValueError(f"refusing to delete {p}: not a global_step_<N> directory")
-    if not is_ours(p):
-        raise ValueError(
-            f"refusing to delete {p}: it has no lightning-mcore-ckpt marker ({STARTED_MARKER} "
-            f"or {METADATA_FILE}), so this package did not write it"
-        )
-    (p / METADATA_FILE).unlink(missing_ok=True)
-    _fsync_dir(p)
-    shutil.rmtree(p, ignore_errors=False)
-
-
-class DirectoryLock:
-    """One writer per checkpoint directory: ``<dirpath>/.lightning_mcore_ckpt.lock``.
-
-    The lock file holds the owner's host, pid and process start time. A lock whose owner is
-    gone is recovered with a warning: on the same host when the process no longer runs, on
-    another host when its heartbeat (the file's mtime, refreshed by :meth:`heartbeat`) is older
-    than ``stale_after_s``. Anything else is refused, naming the owner.
-
-    Example::
-
-        lock = DirectoryLock("checkpoints/run")
-        lock.acquire()  # RuntimeError naming the owner if another run holds it
-        try:
-            ...
-        finally:
-            lock.release()
-    """
-
-    def __init__(self, dirpath: str | os.PathLike[str], stale_after_s: float = 300.0) -> None:
-        self.path = Path(dirpath) / LOCK_FILE
-        self.stale_after_s = stale_after_s
-        self.owned = False
-
-    @staticmethod
-    def _me() -> dict[str, Any]:
-        import psutil
-
-        return {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "create_time": psutil.Process().create_time(),
-            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        }
-
-    def _owner_alive(self, owner: Mapping[str, Any]) -> bool:
-        import psutil
-
-        if owner.get("host") == socket.gethostname():
-            try:
-                proc = psutil.Process(int(owner.get("pid", -1)))
-                same = abs(proc.create_time() - float(owner.get("create_time", 0))) < 1.0
-            except (psutil.Error, ValueError, TypeError):
-                return False
-            return same and proc.status() != psutil.STATUS_ZOMBIE
-        try:
-            import time
-
-            return time.time() - self.path.stat().st_mtime < self.stale_after_s
-        except OSError:
-            return False
-
-    def acquire(self) -> None:
-        """Take the lock, or raise ``RuntimeError`` naming the run that holds it."""
-        me = self._me()
-        text = json.dumps(me, indent=2) + "\n"
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            try:
-                owner = json.loads(self.path.read_text())
-            except (OSError, ValueError):
-                owner = {}
-            if isinstance(owner, dict) and self._owner_alive(owner):
-                raise RuntimeError(
-                    f"{self.path.parent} is in use by another run (pid {owner.get('pid')} on "
-                    f"{owner.get('host')}, since {owner.get('started_at')}): two runs writing "
-                    "one directory would delete each other's checkpoints. Use another dirpath, "
-                    f"or stop that run; if it is dead, delete {self.path}"
-                ) from None
-            log.warning(
-                "recovering the stale lock %s of a run that is gone (pid %s on %s)",
-                self.path,
-                owner.get("pid") if isinstance(owner, dict) else "?",
-                owner.get("host") if isinstance(owner, dict) else "?",
-            )
-            write_text_atomic(self.path, text)
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-        self.owned = True
-
-    def heartbeat(self) -> None:
-        """Refresh the lock's mtime (shows other hosts that the owner is alive)."""
-        if self.owned:
-            try:
-                os.utime(self.path)
-            except OSError as err:
-                log.warning("could not refresh %s: %s", self.path, err)
-
-    def release(self) -> None:
-        """Remove the lock if this process holds it."""
-        if not self.owned:
-            return
-        self.owned = False
-        try:
-            owner = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return
-        if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
-            self.path.unlink(missing_ok=True)

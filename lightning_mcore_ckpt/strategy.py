@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, layout
 from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,11 +47,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MODEL_DIR = "model"
-OPTIM_DIR = "optim"
-EXTRA_DIR = "extra"
 CONTENTS = ("model", "optimizer", "extra")
-EXTRA_FORMAT_VERSION = 1
 LOADED_FROM_KEY = "lightning_mcore_ckpt"
 """Key of the checkpoint dict ``load_checkpoint`` returns that says where it came from and the
 parallel layout that saved it (callbacks read it in ``on_load_checkpoint``)."""

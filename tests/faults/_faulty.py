@@ -53,7 +53,7 @@ def inject(fault: str | None, rank: int) -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from lightning_mcore_ckpt import layout, strategy
+    from lightning_mcore_ckpt import _atomic, layout, strategy
 
     if point in ("model_shards", "optim_shards"):
         sub = "model/" if point == "model_shards" else "optim/"
@@ -82,14 +82,14 @@ def inject(fault: str | None, rank: int) -> None:
 
         strategy.MegatronStrategy._save_extra = save_extra  # type: ignore[method-assign]
     elif point == "before_commit":
-        original_write = layout.write_text_atomic
+        original_write = _atomic.write_text
 
         def write_text_atomic(path: Any, text: str) -> None:
             if Path(path).name == layout.METADATA_FILE and _target(path):
                 act()
             original_write(path, text)
 
-        layout.write_text_atomic = write_text_atomic
+        _atomic.write_text = write_text_atomic
     elif point == "before_tracker":
         original_tracker = layout.write_tracker
 

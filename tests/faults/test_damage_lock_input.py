@@ -18,7 +18,7 @@ import pytest
 import torch
 from _faulty import MAX_STEPS, listing, train
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt import layout, retention
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -245,10 +245,10 @@ def test_nothing_without_this_packages_marker_is_deleted(tmp_path: Path) -> None
     (foreign / "model").mkdir(parents=True)
     (foreign / "model" / "data.bin").write_bytes(b"user data")
     with pytest.raises(ValueError, match="has no lightning-mcore-ckpt marker"):
-        layout.remove_step(foreign)
+        retention.remove_step(foreign)
     assert (foreign / "model" / "data.bin").read_bytes() == b"user data"
     assert not layout.is_ours(foreign)
     layout.mark_step_started(layout.step_dir(tmp_path, 5))
     assert layout.is_ours(layout.step_dir(tmp_path, 5))
-    layout.remove_step(layout.step_dir(tmp_path, 5))
+    retention.remove_step(layout.step_dir(tmp_path, 5))
     assert not layout.step_dir(tmp_path, 5).exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt import _atomic, layout, retention
 
 
 def _step(root: Path, step: int, complete: bool = True, monitor: float | None = None) -> Path:
@@ -19,7 +19,7 @@ def _step(root: Path, step: int, complete: bool = True, monitor: float | None = 
         meta = {"format_version": 1, "global_step": step, "contents": [], "monitor": None}
         if monitor is not None:
             meta["monitor"] = {"name": "val_loss", "value": monitor}
-        layout.write_json_atomic(d / layout.METADATA_FILE, meta)
+        _atomic.write_json(d / layout.METADATA_FILE, meta)
     return d
 
 
@@ -36,7 +36,7 @@ def test_complete_means_a_readable_metadata_json(tmp_path: Path) -> None:
 
 
 def test_atomic_write_leaves_no_temporary_file(tmp_path: Path) -> None:
-    layout.write_json_atomic(tmp_path / "m.json", {"a": 1})
+    _atomic.write_json(tmp_path / "m.json", {"a": 1})
     layout.write_tracker(tmp_path, 12)
     assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1}
     assert layout.read_tracker(tmp_path) == 12
@@ -118,34 +118,34 @@ def _steps(root: Path, values: dict[int, float | None]) -> list[layout.StepDir]:
 
 def test_retention_keeps_the_newest(tmp_path: Path) -> None:
     steps = _steps(tmp_path, dict.fromkeys([1, 2, 3, 4, 5]))
-    doomed = layout.retention_plan(steps, max_to_keep=2)
+    doomed = retention.retention_plan(steps, max_to_keep=2)
     assert [s.step for s in doomed] == [1, 2, 3]
-    assert layout.retention_plan(steps, max_to_keep=None) == []
+    assert retention.retention_plan(steps, max_to_keep=None) == []
 
 
 def test_retention_keeps_top_k_on_top_of_the_newest(tmp_path: Path) -> None:
     steps = _steps(tmp_path, {1: 0.5, 2: 0.1, 3: 0.9, 4: float("nan"), 5: 0.7})
-    doomed = layout.retention_plan(steps, max_to_keep=1, monitor="val_loss", save_top_k=2)
+    doomed = retention.retention_plan(steps, max_to_keep=1, monitor="val_loss", save_top_k=2)
     assert [s.step for s in doomed] == [3, 4]  # keeps 5 (newest), 2 and 1 (best two)
-    doomed = layout.retention_plan(
+    doomed = retention.retention_plan(
         steps, max_to_keep=1, monitor="val_loss", save_top_k=1, mode="max"
     )
     assert [s.step for s in doomed] == [1, 2, 4]
-    doomed = layout.retention_plan(steps, max_to_keep=1, monitor="val_loss", save_top_k=-1)
+    doomed = retention.retention_plan(steps, max_to_keep=1, monitor="val_loss", save_top_k=-1)
     assert [s.step for s in doomed] == [4]
 
 
 def test_retention_never_deletes_protected_steps(tmp_path: Path) -> None:
     steps = _steps(tmp_path, dict.fromkeys([1, 2, 3]))
-    assert [s.step for s in layout.retention_plan(steps, max_to_keep=1, protect={1})] == [2]
+    assert [s.step for s in retention.retention_plan(steps, max_to_keep=1, protect={1})] == [2]
 
 
 def test_remove_step_drops_the_marker_first_and_refuses_other_directories(tmp_path: Path) -> None:
     d = _step(tmp_path, 3)
-    layout.remove_step(d)
+    retention.remove_step(d)
     assert not d.exists()
     other = tmp_path / "data"
     other.mkdir()
     with pytest.raises(ValueError, match="not a global_step_<N> directory"):
-        layout.remove_step(other)
+        retention.remove_step(other)
     assert other.exists()

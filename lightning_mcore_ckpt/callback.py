@@ -27,6 +27,7 @@ from lightning_mcore_ckpt.strategy import (
     CheckpointSaveError,
     MegatronStrategy,
     SaveOptions,
+    SaveRecord,
 )
 
 if TYPE_CHECKING:
@@ -300,6 +301,9 @@ class MegatronCheckpoint(ModelCheckpoint):
         # the training thread when they are done.
         self._committer: ThreadPoolExecutor | None = None
         self._commits: list[tuple[Path, Future[dict[str, Any]]]] = []
+        # Saves handed to the strategy, until it reports them durable or failed.
+        self._in_flight: dict[Path, tuple[dict[str, Any], bool]] = {}
+        self._trainer: pl.Trainer | None = None
 
     # --- identity, state ------------------------------------------------------------------
 
@@ -342,6 +346,8 @@ class MegatronCheckpoint(ModelCheckpoint):
         problem = trainer.strategy.broadcast(problem)
         if problem is not None:
             raise RuntimeError(f"MegatronCheckpoint(dirpath={str(self.dirpath)!r}): {problem}")
+        self._trainer = trainer
+        trainer.strategy.add_save_listener(self)
 
     def _start_heartbeat(self, lock: layout.DirectoryLock) -> None:
         stop = threading.Event()
@@ -396,6 +402,8 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     def _release(self) -> None:
         # After fit, or after an error (Lightning calls on_exception, not teardown, then).
+        if self._trainer is not None and isinstance(self._trainer.strategy, MegatronStrategy):
+            self._trainer.strategy.remove_save_listener(self)
         if self._committer is not None:
             self._committer.shutdown(wait=True)
             self._committer = None
@@ -761,22 +769,28 @@ class MegatronCheckpoint(ModelCheckpoint):
         )
         metadata["contents"] = [*contents, "hf_model"] if export else contents
 
-        def commit(record: dict[str, Any]) -> None:
-            self._commit(trainer, target, metadata, record, export)
-
-        def failed(error: CheckpointSaveError) -> None:
-            self._on_save_failed(trainer, step, error)
-
+        self._in_flight[target] = (metadata, export)
         trainer.save_checkpoint(
             target,
             storage_options=SaveOptions(
-                contents=contents,
-                on_finalized=[commit],
-                on_error=failed,
-                synchronous=synchronous,
-                started_at=started,
+                contents=contents, synchronous=synchronous, started_at=started
             ),
         )
+
+    # --- the strategy's SaveListener --------------------------------------------------------
+
+    def owns(self, path: Path) -> bool:
+        return Path(path).parent == self.dirpath
+
+    def saved(self, record: SaveRecord) -> None:
+        metadata, export = self._in_flight.pop(record.path)
+        assert self._trainer is not None
+        self._commit(self._trainer, record.path, metadata, record, export)
+
+    def failed(self, path: Path, error: CheckpointSaveError) -> None:
+        self._in_flight.pop(Path(path), None)
+        assert self._trainer is not None
+        self._on_save_failed(self._trainer, layout.step_number(path) or -1, error)
 
     def _on_save_failed(self, trainer: pl.Trainer, step: int, error: BaseException) -> None:
         """A save or its commit failed (every rank): raise, or warn and count it."""
@@ -799,7 +813,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         trainer: pl.Trainer,
         target: Path,
         metadata: dict[str, Any],
-        record: dict[str, Any],
+        record: SaveRecord,
         export: bool = False,
     ) -> None:
         # Every rank, once the save is durable everywhere. Rank 0 commits in the background.
@@ -808,15 +822,15 @@ class MegatronCheckpoint(ModelCheckpoint):
         metadata = dict(metadata)
         metadata.update(
             {
-                "async": record["async"],
-                "parallel_layout": record["parallel_layout"],
-                "blocking_time_s": record["blocking_time_s"],
-                "write_time_s": record["write_time_s"],
-                "hf_export_time_s": record.get("hf_export_time_s"),
+                "async": record.asynchronous,
+                "parallel_layout": record.parallel_layout,
+                "blocking_time_s": record.blocking_time_s,
+                "write_time_s": record.write_time_s,
+                "hf_export_time_s": None,
             }
         )
         # Total time: until durable on every rank, then until committed here.
-        started = record["finalized_at"] - record["total_time_s"]
+        started = record.finalized_at - record.total_time_s
         self._submit(target, self._commit_in_background, target, metadata, started, export)
 
     def _submit(self, target: Path, fn: Any, *args: Any) -> None:

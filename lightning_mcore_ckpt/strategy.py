@@ -5,13 +5,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, layout
+from lightning_mcore_ckpt import _atomic, _compat, _cpu, _optim, _parallel, layout, retention
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
 
@@ -42,7 +41,9 @@ __all__ = [
     "OPTIM_DIR",
     "CheckpointSaveError",
     "MegatronStrategy",
+    "SaveListener",
     "SaveOptions",
+    "SaveRecord",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,56 @@ class CheckpointSaveError(RuntimeError):
     """
 
 
+@dataclass(frozen=True, kw_only=True)
+class SaveRecord:
+    """What one save did, once it is durable on every rank (the same on every rank).
+
+    Passed to ``SaveOptions.on_finalized`` and to every registered :class:`SaveListener` that
+    owns the path.
+    """
+
+    path: Path
+    """The step directory."""
+    contents: tuple[str, ...]
+    """What was written: a subset of ``("model", "optimizer", "extra")``."""
+    asynchronous: bool
+    """Whether the shards were written in the background."""
+    writer: str
+    """The async writer (``"megatron"`` or ``"nvrx"``); see :func:`_compat.async_strategy`."""
+    parallel_layout: dict[str, int]
+    """The parallel sizes of the saving run."""
+    blocking_time_s: float
+    """How long training was blocked, on the slowest rank."""
+    write_time_s: float
+    """How long the shard writes lasted, on the slowest rank."""
+    total_time_s: float
+    """From the start of the save until it was durable everywhere, on the slowest rank."""
+    finalized_at: float
+    """``time.perf_counter()`` on this rank when the save became durable everywhere."""
+
+
+@runtime_checkable
+class SaveListener(Protocol):
+    """Told, on every rank, how the saves of the paths it owns ended.
+
+    Registered once with :meth:`MegatronStrategy.add_save_listener` (``MegatronCheckpoint``
+    registers its committer), instead of handlers passed with each save. For a save whose path
+    a listener owns, a failure goes to the listener instead of being raised.
+    """
+
+    def owns(self, path: Path) -> bool:
+        """Whether saves to ``path`` are this listener's."""
+        ...
+
+    def saved(self, record: SaveRecord) -> None:
+        """Every rank, in order: the save is durable on all ranks."""
+        ...
+
+    def failed(self, path: Path, error: CheckpointSaveError) -> None:
+        """Every rank: the save to ``path`` failed (the same error everywhere)."""
+        ...
+
+
 @dataclass(kw_only=True)
 class SaveOptions:
     """What :meth:`MegatronStrategy.save_checkpoint` writes, passed as ``storage_options``.
@@ -79,14 +130,15 @@ class SaveOptions:
 
     contents: Sequence[str] = CONTENTS
     """Subset of ``("model", "optimizer", "extra")`` to write."""
-    on_finalized: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
-    """Called on every rank, in order, once the whole save is durable on all ranks, with the
-    save's record (path, layout, timings). For an async save this happens at finalisation."""
+    on_finalized: list[Callable[[SaveRecord], None]] = field(default_factory=list)
+    """Called on every rank, in order, once the whole save is durable on all ranks, with its
+    :class:`SaveRecord`. For an async save this happens at finalisation."""
     synchronous: bool = False
     """Write synchronously even with ``ckpt_async_save=True`` (e.g. before a preempted exit)."""
     on_error: Callable[[CheckpointSaveError], None] | None = None
     """Called on every rank instead of raising when this save fails (sync: from
-    ``save_checkpoint``; async: at finalisation). Default: raise."""
+    ``save_checkpoint``; async: at finalisation). Default: a :class:`SaveListener` that owns
+    the path, else raise."""
     started_at: float | None = None
     """``time.perf_counter()`` when the caller began this save's work on the training thread
     (its own preparation then counts as blocking time). Default: when ``save_checkpoint``
@@ -104,11 +156,11 @@ class SaveOptions:
 class _PendingSave:
     path: Path
     call_ids: list[int]
-    record: dict[str, Any]
-    on_finalized: list[Callable[[dict[str, Any]], None]]
+    timings: dict[str, float]
+    base: dict[str, Any]
+    options: SaveOptions
     write_timer: torch.Tensor
     """Shared memory the background writer stores its write duration in."""
-    on_error: Callable[[CheckpointSaveError], None] | None = None
 
 
 def _check_size(name: str, value: Any) -> int:
@@ -232,6 +284,7 @@ class MegatronStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._async_queue: Any = None
         self._pending: _PendingSave | None = None
+        self._listeners: list[SaveListener] = []
         self._schedule_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
         self._rng_at_load: dict[str, Any] | None = None
 
@@ -856,7 +909,8 @@ class MegatronStrategy(ParallelStrategy):
         """Write a checkpoint directory. Collective: every rank calls it, in the same order.
 
         A write error on any rank fails the save on every rank (no rank is left waiting) as
-        :class:`CheckpointSaveError`, raised or passed to ``storage_options.on_error``; the
+        :class:`CheckpointSaveError`, passed to ``storage_options.on_error`` and to the
+        :class:`SaveListener` that owns ``filepath``, or raised when there is neither; the
         directory then never gets a commit.
 
         1) (all ranks) finalise a previous async save still in flight (one at a time)
@@ -864,7 +918,8 @@ class MegatronStrategy(ParallelStrategy):
         3) (all ranks) write their shards of model and optimizer with dist-checkpointing
            (sync: durable on return; async: staged on return, written in the background)
         4) (all ranks) write ``extra/rank_<r>.pt``: RNG and Lightning's non-tensor state
-        5) (all ranks) once durable everywhere, call ``storage_options.on_finalized``
+        5) (all ranks) once durable everywhere, pass the :class:`SaveRecord` to
+           ``storage_options.on_finalized`` and to the listener that owns ``filepath``
         """
         from megatron.core import dist_checkpointing
 
@@ -904,7 +959,7 @@ class MegatronStrategy(ParallelStrategy):
         problem = self.broadcast(problem)
         if problem is not None:
             if problem.startswith("cannot create"):
-                return self._failed(CheckpointSaveError(problem), options.on_error)
+                return self._failed(path, CheckpointSaveError(problem), options)
             raise FileExistsError(problem)
         async_save = self.ckpt_async_save and not options.synchronous
         requests = []
@@ -946,22 +1001,19 @@ class MegatronStrategy(ParallelStrategy):
             extra_write_s = time.perf_counter() - extra_start
         failure = self._agree_on_failure(error, path, "writing extra/")
         if failure is not None:
-            return self._failed(failure, options.on_error)
-        record: dict[str, Any] = {
-            "path": str(path),
-            "contents": contents,
-            "async": async_save,
+            return self._failed(path, failure, options)
+        base: dict[str, Any] = {
+            "path": path,
+            "contents": tuple(contents),
+            "asynchronous": async_save,
             "writer": _compat.async_strategy(),
             "parallel_layout": self.parallel_layout(),
-            "start_time": start,
-            "extra_write_s": extra_write_s,
         }
+        timings = {"start": start, "extra_write_s": extra_write_s}
         if async_save:
             call_id = self._get_async_queue().schedule_async_request(request)
-            record["call_s"] = time.perf_counter() - start
-            self._pending = _PendingSave(
-                path, [call_id], record, list(options.on_finalized), write_timer, options.on_error
-            )
+            timings["call_s"] = time.perf_counter() - start
+            self._pending = _PendingSave(path, [call_id], timings, base, options, write_timer)
             return None
         try:
             _run_in_order(*request.async_fn_args)
@@ -978,9 +1030,9 @@ class MegatronStrategy(ParallelStrategy):
                 error = err
             failure = self._agree_on_failure(error, path, "finishing model/ and optim/")
         if failure is not None:
-            return self._failed(failure, options.on_error)
-        record["call_s"] = time.perf_counter() - start
-        self._complete(record, write_timer, options.on_finalized)
+            return self._failed(path, failure, options)
+        timings["call_s"] = time.perf_counter() - start
+        self._complete(base, timings, write_timer, options)
         return None
 
     def _agree_on_failure(
@@ -1005,13 +1057,29 @@ class MegatronStrategy(ParallelStrategy):
         failure.__cause__ = error
         return failure
 
-    @staticmethod
-    def _failed(
-        failure: CheckpointSaveError, on_error: Callable[[CheckpointSaveError], None] | None
-    ) -> None:
-        if on_error is None:
+    def add_save_listener(self, listener: SaveListener) -> None:
+        """Register ``listener`` to be told how the saves of the paths it owns end."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_save_listener(self, listener: SaveListener) -> None:
+        """Undo :meth:`add_save_listener` (a no-op when not registered)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _owners(self, path: Path) -> list[SaveListener]:
+        return [listener for listener in self._listeners if listener.owns(path)]
+
+    def _failed(self, path: Path, failure: CheckpointSaveError, options: SaveOptions) -> None:
+        handled = False
+        if options.on_error is not None:
+            options.on_error(failure)
+            handled = True
+        for listener in self._owners(path):
+            listener.failed(path, failure)
+            handled = True
+        if not handled:
             raise failure
-        on_error(failure)
 
     def _save_extra(self, directory: Path, checkpoint: dict[str, Any]) -> None:
         payload = {
@@ -1026,18 +1094,14 @@ class MegatronStrategy(ParallelStrategy):
             },
         }
         target = directory / f"rank_{self.global_rank:05d}.pt"
-        tmp = target.with_suffix(".pt.tmp")
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(target)
+        _atomic.write_with(target, lambda f: torch.save(payload, f))
 
     def _complete(
         self,
-        record: dict[str, Any],
+        base: dict[str, Any],
+        timings: dict[str, float],
         write_timer: torch.Tensor,
-        on_finalized: Sequence[Callable[[dict[str, Any]], None]],
+        options: SaveOptions,
     ) -> None:
         # Collective (every rank finalises the same save at the same point): the job was
         # blocked, and the write lasted, as long as on its slowest rank.
@@ -1045,19 +1109,24 @@ class MegatronStrategy(ParallelStrategy):
         # are not compared: each rank measures its own elapsed time).
         now = time.perf_counter()
         mine = [
-            record.pop("call_s") + record.pop("finalize_s", 0.0),
-            float(write_timer[0]) + record.pop("extra_write_s"),
-            now - record.pop("start_time"),
+            timings["call_s"] + timings.get("finalize_s", 0.0),
+            float(write_timer[0]) + timings["extra_write_s"],
+            now - timings["start"],
         ]
         slowest = torch.tensor(mine, dtype=torch.float64, device=self.root_device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         blocking, write, elapsed = (float(x) for x in slowest.cpu())
-        record["blocking_time_s"] = blocking
-        record["write_time_s"] = write
-        record["total_time_s"] = elapsed
-        record["finalized_at"] = now
-        for fn in on_finalized:
+        record = SaveRecord(
+            **base,
+            blocking_time_s=blocking,
+            write_time_s=write,
+            total_time_s=elapsed,
+            finalized_at=now,
+        )
+        for fn in options.on_finalized:
             fn(record)
+        for listener in self._owners(record.path):
+            listener.saved(record)
 
     def _get_async_queue(self) -> Any:
         if self._async_queue is None:
@@ -1087,14 +1156,14 @@ class MegatronStrategy(ParallelStrategy):
                 f"async checkpoint save to {pending.path} failed in the background write: {err}"
             )
             failure.__cause__ = err
-            self._failed(failure, pending.on_error)
+            self._failed(pending.path, failure, pending.options)
             return True
         pending.call_ids = [c for c in pending.call_ids if c not in finalized]
         if pending.call_ids:
             return False
         self._pending = None
-        pending.record["finalize_s"] = time.perf_counter() - start
-        self._complete(pending.record, pending.write_timer, pending.on_finalized)
+        pending.timings["finalize_s"] = time.perf_counter() - start
+        self._complete(pending.base, pending.timings, pending.write_timer, pending.options)
         return True
 
     @override
@@ -1290,7 +1359,7 @@ class MegatronStrategy(ParallelStrategy):
         if self._pending is not None and self._pending.path == path:
             self.finalize_pending_save(blocking=True)
         if self.global_rank == 0 and path.exists():
-            shutil.rmtree(path)
+            retention.remove_step(path)
         self.barrier()
 
     @override

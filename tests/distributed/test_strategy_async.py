@@ -76,11 +76,11 @@ def test_async_save_writes_the_values_of_the_save_step(tmp_path: Path) -> None:
 
     for r in results:
         ((steps_at_commit, record),) = r["records"]
-        assert record["async"] is True
+        assert record.asynchronous is True
         # Control came back before the write was committed, and training went on meanwhile.
         assert r["steps_when_save_returned"] == SAVE_STEP
         assert steps_at_commit >= SAVE_STEP
-        assert 0 < record["blocking_time_s"] < record["total_time_s"]
+        assert 0 < record.blocking_time_s < record.total_time_s
     at_save, at_end = results[0]["at_save"], results[0]["at_end"]
     assert any(not torch.equal(at_save[k], at_end[k]) for k in at_save), "training did not move"
     for key, tensor in at_save.items():

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,7 @@ class DirectoryLock:
         self.path = Path(dirpath) / LOCK_FILE
         self.stale_after_s = stale_after_s
         self.owned = False
+        self._stop_heartbeat: threading.Event | None = None
 
     @staticmethod
     def _me() -> dict[str, Any]:
@@ -111,8 +113,22 @@ class DirectoryLock:
             except OSError as err:
                 log.warning("could not refresh %s: %s", self.path, err)
 
+    def start_heartbeat(self, every_s: float = 60.0) -> None:
+        """Refresh the lock every ``every_s`` seconds from a daemon thread until released."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                self.heartbeat()
+
+        threading.Thread(target=beat, name="checkpoint-lock-heartbeat", daemon=True).start()
+        self._stop_heartbeat = stop
+
     def release(self) -> None:
-        """Remove the lock if this process holds it."""
+        """Stop the heartbeat and remove the lock if this process holds it."""
+        if self._stop_heartbeat is not None:
+            self._stop_heartbeat.set()
+            self._stop_heartbeat = None
         if not self.owned:
             return
         self.owned = False

@@ -45,6 +45,7 @@ __all__ = [
     "TRACKER_FILE",
     "DirectoryLock",
     "StepDir",
+    "check_format",
     "complete_steps",
     "incomplete_steps",
     "is_complete",
@@ -116,6 +117,20 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def check_format(path: str | os.PathLike[str]) -> None:
+    """Refuse a step written in a newer format than this version of the package reads.
+
+    Raises ``ValueError`` naming the step, both format versions and the fix.
+    """
+    meta = read_metadata(path)
+    version = (meta or {}).get("format_version", METADATA_FORMAT_VERSION)
+    if isinstance(version, int) and version > METADATA_FORMAT_VERSION:
+        raise ValueError(
+            f"{path} is in checkpoint format {version}; this lightning-mcore-ckpt reads format "
+            f"{METADATA_FORMAT_VERSION} and older. Upgrade lightning-mcore-ckpt to load it"
+        )
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from lightning_mcore_ckpt import _atomic
 from lightning_mcore_ckpt.layout import (
@@ -14,55 +13,45 @@ from lightning_mcore_ckpt.layout import (
     STARTED_MARKER,
     StepDir,
     is_ours,
-    read_metadata,
     step_number,
 )
 
 __all__ = ["remove_step", "retention_plan"]
 
 
-def _monitor_value(meta: Mapping[str, Any] | None, monitor: str) -> float | None:
-    if not meta:
-        return None
-    entry = meta.get("monitor")
-    if not isinstance(entry, Mapping) or entry.get("name") != monitor:
-        return None
-    value = entry.get("value")
-    if not isinstance(value, int | float) or value != value:  # NaN never ranks
-        return None
-    return float(value)
-
-
 def retention_plan(
     steps: Iterable[StepDir],
     *,
     max_to_keep: int | None,
-    monitor: str | None = None,
-    save_top_k: int = 1,
-    mode: str = "min",
+    remove: Iterable[str | os.PathLike[str]] = (),
+    keep: Iterable[str | os.PathLike[str]] = (),
     protect: Iterable[int] = (),
 ) -> list[StepDir]:
-    """Which complete steps to delete: all but the newest ``max_to_keep``, the top-k by
-    ``monitor`` (read from each step's metadata) and the ``protect``-ed steps.
+    """Which complete steps to delete, oldest first.
 
-    With ``max_to_keep=None`` nothing is deleted. ``save_top_k=-1`` keeps every step that has a
-    value for ``monitor``.
+    A step is deleted when it was asked for in ``remove`` (Lightning's top-k and "last"
+    bookkeeping let it go) or is older than the newest ``max_to_keep`` (``None``: no limit),
+    unless it is kept: among the newest ``max_to_keep``, in ``keep`` (the steps Lightning's
+    bookkeeping still names) or its number is in ``protect``.
+
+    Example::
+
+        retention_plan(complete_steps(root), max_to_keep=2)  # all but the newest two
     """
     ordered = sorted(steps)
-    if max_to_keep is None:
-        return []
-    keep = {s.step for s in ordered[-max_to_keep:]} if max_to_keep > 0 else set()
-    keep |= set(protect)
-    if monitor is not None and save_top_k != 0:
-        scored = [
-            (v, s.step)
-            for s in ordered
-            if (v := _monitor_value(read_metadata(s.path), monitor)) is not None
-        ]
-        scored.sort(key=lambda vs: (vs[0] if mode == "min" else -vs[0], -vs[1]))
-        ranked = scored if save_top_k < 0 else scored[:save_top_k]
-        keep |= {step for _, step in ranked}
-    return [s for s in ordered if s.step not in keep]
+    kept_paths = {Path(p) for p in keep}
+    kept = set(protect)
+    if max_to_keep is not None:
+        kept |= {s.step for s in ordered[-max_to_keep:]} if max_to_keep > 0 else set()
+    asked = {Path(p) for p in remove}
+    doomed = []
+    for s in ordered:
+        if s.step in kept or s.path in kept_paths:
+            continue
+        beyond = max_to_keep is not None and s.step not in kept
+        if beyond or s.path in asked:
+            doomed.append(s)
+    return doomed
 
 
 def remove_step(path: str | os.PathLike[str]) -> None:

@@ -1211,6 +1211,7 @@ class MegatronStrategy(ParallelStrategy):
                 f"{path} is not a lightning-mcore-ckpt step directory: it has no {MODEL_DIR}/ "
                 "(expected model/, optim/, extra/)"
             )
+        layout.check_format(path)
         _compat.check_readable(path)
         self._load_weights(path)
         assert self.lightning_module is not None

@@ -14,11 +14,10 @@ from lightning_mcore_ckpt import MegatronCheckpoint
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"every_n_train_steps": 0}, r"every_n_train_steps=0\): must be a positive int"),
-        ({"every_n_train_steps": -3}, r"every_n_train_steps=-3\)"),
+        ({"every_n_train_steps": -3}, r"every_n_train_steps=-3\): must be an int >= 0 \(0 disab"),
         ({"every_n_epochs": 1.5}, r"every_n_epochs=1.5\)"),
         ({"max_to_keep": 0}, r"max_to_keep=0\): must be a positive int or None"),
-        ({"train_time_interval": datetime.timedelta(0)}, r"train_time_interval=.*positive"),
+        ({"train_time_interval": datetime.timedelta(seconds=-1)}, r"train_time_interval=.*>= 0"),
         ({"train_time_interval": 60}, r"train_time_interval=60\).*timedelta"),
         (
             {"every_n_train_steps": 10, "every_n_epochs": 1},
@@ -32,6 +31,9 @@ from lightning_mcore_ckpt import MegatronCheckpoint
         ({"mode": "best"}, r"mode='best'\): use 'min' or 'max'"),
         ({"save_top_k": -2}, r"save_top_k=-2\)"),
         ({"monitor": ""}, r"monitor=''\)"),
+        ({"save_top_k": 2}, r"save_top_k=2\): without a monitor there is nothing to rank"),
+        ({"save_last": "link"}, r"save_last='link'\): must be True/False \('link' is not"),
+        ({"every_n_train_steps": 5, "train_time_interval": datetime.timedelta(seconds=1)}, r"both"),
     ],
 )
 def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
@@ -47,7 +49,62 @@ def test_dirpath_that_is_a_file_is_refused(tmp_path: Path) -> None:
         MegatronCheckpoint(f)
 
 
-def test_defaults() -> None:
+@pytest.mark.parametrize("url", ["s3://bucket/run", "memory://run", "gs://b/run"])
+def test_url_dirpath_is_refused_and_nothing_is_created(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"dirpath='{url}'\): only local directories"):
+        MegatronCheckpoint(url)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tilde_is_expanded_only_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert Path(MegatronCheckpoint("./~/ckpts").dirpath) == tmp_path.resolve() / "~" / "ckpts"
+    assert Path(MegatronCheckpoint("~/ckpts").dirpath) == Path.home().resolve() / "ckpts"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "epochs", "interval"),
+    [
+        ({"every_n_train_steps": 0}, 0, 0, None),
+        ({"every_n_epochs": 0}, 0, 0, None),
+        ({"train_time_interval": datetime.timedelta(0)}, 0, 0, None),
+        ({"every_n_train_steps": 0, "every_n_epochs": 0}, 0, 0, None),
+        ({"every_n_train_steps": 3, "every_n_epochs": 0}, 3, 0, None),
+        ({"every_n_epochs": 2, "train_time_interval": datetime.timedelta(0)}, 0, 2, None),
+        ({}, 0, 1, None),  # no cadence at all: every epoch, as in Lightning
+    ],
+)
+def test_zero_disables_a_trigger_as_in_lightning(
+    tmp_path: Path, kwargs: dict[str, Any], steps: int, epochs: int, interval: Any
+) -> None:
+    cb = MegatronCheckpoint(tmp_path, **kwargs)
+    assert (cb._every_n_train_steps, cb._every_n_epochs, cb._train_time_interval) == (
+        steps,
+        epochs,
+        interval,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "top_k"),
+    [
+        ({}, -1),
+        ({"monitor": "loss"}, 1),
+        ({"save_top_k": 1}, 1),
+        ({"monitor": "l", "save_top_k": 3}, 3),
+    ],
+)
+def test_save_top_k_default(tmp_path: Path, kwargs: dict[str, Any], top_k: int) -> None:
+    assert MegatronCheckpoint(tmp_path, **kwargs).save_top_k == top_k
+
+
+def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     cb = MegatronCheckpoint("some/dir", every_n_train_steps=5, max_to_keep=2)
     assert cb.save_contents == ("model", "optimizer", "extra")
-    assert cb.max_to_keep == 2 and cb.dirpath == Path("some/dir")
+    assert cb.max_to_keep == 2 and cb.dirpath == str(tmp_path.resolve() / "some" / "dir")

@@ -123,16 +123,25 @@ def test_retention_keeps_the_newest(tmp_path: Path) -> None:
     assert retention.retention_plan(steps, max_to_keep=None) == []
 
 
-def test_retention_keeps_top_k_on_top_of_the_newest(tmp_path: Path) -> None:
-    steps = _steps(tmp_path, {1: 0.5, 2: 0.1, 3: 0.9, 4: float("nan"), 5: 0.7})
-    doomed = retention.retention_plan(steps, max_to_keep=1, monitor="val_loss", save_top_k=2)
-    assert [s.step for s in doomed] == [3, 4]  # keeps 5 (newest), 2 and 1 (best two)
-    doomed = retention.retention_plan(
-        steps, max_to_keep=1, monitor="val_loss", save_top_k=1, mode="max"
-    )
-    assert [s.step for s in doomed] == [1, 2, 4]
-    doomed = retention.retention_plan(steps, max_to_keep=1, monitor="val_loss", save_top_k=-1)
-    assert [s.step for s in doomed] == [4]
+def test_retention_keeps_what_lightnings_bookkeeping_names_on_top_of_the_newest(
+    tmp_path: Path,
+) -> None:
+    steps = _steps(tmp_path, dict.fromkeys([1, 2, 3, 4, 5]))
+    best = [layout.step_dir(tmp_path, 2), layout.step_dir(tmp_path, 1)]
+    doomed = retention.retention_plan(steps, max_to_keep=1, keep=best)
+    assert [s.step for s in doomed] == [3, 4]  # keeps 5 (newest), 2 and 1 (named)
+
+
+def test_retention_deletes_what_lightning_let_go_unless_still_kept(tmp_path: Path) -> None:
+    steps = _steps(tmp_path, dict.fromkeys([1, 2, 3, 4, 5]))
+    asked = [layout.step_dir(tmp_path, n) for n in (1, 2, 4, 5)]
+    named = [layout.step_dir(tmp_path, 2)]
+    # No limit of its own: only what was let go, minus what is named, the newest two or
+    # protected.
+    doomed = retention.retention_plan(steps, max_to_keep=None, remove=asked, keep=named)
+    assert [s.step for s in doomed] == [1, 4, 5]
+    doomed = retention.retention_plan(steps, max_to_keep=2, remove=asked, keep=named, protect={1})
+    assert [s.step for s in doomed] == [3]
 
 
 def test_retention_never_deletes_protected_steps(tmp_path: Path) -> None:
@@ -149,3 +158,13 @@ def test_remove_step_drops_the_marker_first_and_refuses_other_directories(tmp_pa
     with pytest.raises(ValueError, match="not a global_step_<N> directory"):
         retention.remove_step(other)
     assert other.exists()
+
+
+def test_a_step_in_a_newer_format_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    d = _step(tmp_path, 3)
+    meta = layout.read_metadata(d)
+    assert meta is not None
+    layout.check_format(d)  # this format: accepted
+    _atomic.write_json(d / layout.METADATA_FILE, {**meta, "format_version": 99})
+    with pytest.raises(ValueError, match=r"format 99; this lightning-mcore-ckpt reads format 1"):
+        layout.check_format(d)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import Future
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -201,16 +201,28 @@ def test_report_runs_as_the_installed_command(run_dir: Path) -> None:
 
 
 def test_a_failed_background_commit_is_raised_on_the_training_thread(tmp_path: Path) -> None:
-    from lightning_mcore_ckpt import MegatronCheckpoint
+    from lightning_mcore_ckpt.callback._commit import Committer
     from lightning_mcore_ckpt.strategy import CheckpointSaveError
 
-    callback = MegatronCheckpoint(tmp_path)
+    reported: list[tuple[Path, BaseException]] = []
+    committer = Committer(
+        tmp_path,
+        is_global_zero=True,
+        save_contents=("model",),
+        hf_export=None,
+        max_to_keep=None,
+        keep=set,
+        on_committed=lambda metadata: None,
+        on_failed=lambda path, error: reported.append((path, error)),
+    )
     failed: Future[dict[str, Any]] = Future()
     failed.set_exception(OSError(28, "No space left on device"))
     target = layout.step_dir(tmp_path, 7)
-    callback._commits.append((target, failed))
-    with pytest.raises(CheckpointSaveError, match=r"committing .*global_step_7 failed: .*space"):
-        callback._log_commits(SimpleNamespace(loggers=[]), wait=True)
+    committer._commits.append((target, failed))
+    committer.process(wait=True)
+    ((path, error),) = reported
+    assert path == target and isinstance(error, CheckpointSaveError)
+    assert re.search(r"committing .*global_step_7 failed: .*space", str(error))
 
 
 def test_ls_lists_contents_and_exports(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

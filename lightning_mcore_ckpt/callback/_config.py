@@ -1,0 +1,259 @@
+"""``CheckpointConfig``: every option of :class:`MegatronCheckpoint`, checked in one place."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_mcore_ckpt.hf import HFExport
+
+__all__ = ["SAVE_CONTENTS", "CheckpointConfig"]
+
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+"""Names accepted in ``save_contents``."""
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _fail(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"MegatronCheckpoint({name}={value!r}): {why}")
+
+
+def _check_count(name: str, value: Any, *, zero_disables: bool) -> None:
+    if value is None:
+        return
+    low = 0 if zero_disables else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "an int >= 0 (0 disables it) or None" if zero_disables else "a positive int or None"
+        raise _fail(name, value, f"must be {what}")
+
+
+def _check_writable(root: Path, given: Any) -> None:
+    # The nearest existing directory must take a new file (root passes os.access everywhere).
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise _fail(
+            "dirpath",
+            str(given),
+            f"cannot write under {existing} ({err.strerror or err}); pass a writable directory",
+        ) from None
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """The options of :class:`~lightning_mcore_ckpt.MegatronCheckpoint`.
+
+    ``MegatronCheckpoint(**options)`` builds one; every check, including those across fields,
+    runs in ``__post_init__``, before anything is created on disk.
+    """
+
+    dirpath: str | os.PathLike[str]
+    """The directory of this run's steps (created if missing). A leading ``~`` is expanded;
+    a relative path is taken from the working directory. Local paths only: a URL
+    (``s3://...``) is refused."""
+    every_n_train_steps: int | None = None
+    """Save every N optimizer steps; ``0`` or ``None`` disables it."""
+    train_time_interval: datetime.timedelta | None = None
+    """Save when this much wall time passed since the last save (decided on rank 0 and
+    broadcast, so every rank saves at the same step); ``timedelta(0)`` or ``None`` disables it."""
+    every_n_epochs: int | None = None
+    """Save at the end of every N-th epoch (after validation when it runs); ``0`` disables it.
+    With none of the three set, the default is every epoch, as in Lightning."""
+    save_contents: Sequence[str] = ("model", "optimizer", "extra")
+    """What each step holds: ``"model"`` (sharded weights), ``"optimizer"`` (sharded optimizer
+    state; LR schedulers are in Lightning's state), ``"extra"`` (RNG, every rank's dataloader
+    state, loops and callbacks), ``"hf_model"`` (a Hugging Face copy of the weights, with
+    ``hf_export``)."""
+    max_to_keep: int | None = None
+    """Keep the newest N complete steps, on top of the ones Lightning's bookkeeping keeps
+    (``best_k_models``, ``best_model_path``, ``last_model_path``); ``None``: no limit."""
+    monitor: str | None = None
+    """A logged metric to rank steps by, as in Lightning."""
+    save_top_k: int | None = None
+    """As in Lightning: keep the best k steps by ``monitor`` (``-1``: all, ``0``: none). Without
+    ``monitor``, ``1`` keeps only the newest step. Default: ``1`` with a ``monitor`` (Lightning's
+    default), and every step without one (Lightning would keep one)."""
+    mode: str = "min"
+    """``"min"`` or ``"max"``: which ``monitor`` values are best."""
+    save_last: bool = True
+    """As in Lightning, the newest step is kept as ``last_model_path`` at every save; also, the
+    final step is saved when ``fit`` ends, if the cadence did not."""
+    hf_export: HFExport | None = None
+    """When to write a Hugging Face copy of the weights into a step's ``huggingface/``
+    (:class:`~lightning_mcore_ckpt.HFExport`; default ``when="end"``: once, into the final
+    step). Required for ``"hf_model"``."""
+    restore_dataloader: bool = True
+    """Restore every rank's dataloader position on resume. A resume with a different
+    data-parallel size is refused unless the loader uses
+    :class:`~lightning_mcore_ckpt.ElasticSampler`, or this is ``False`` (the epoch's data order
+    then restarts)."""
+    on_save_error: str = "raise"
+    """``"raise"``: a failed save stops the run with
+    :class:`~lightning_mcore_ckpt.CheckpointSaveError`. ``"warn"``: it is logged, counted in the
+    ``checkpoint/failed`` metric, and training goes on. Either way the failed step never becomes
+    complete, and the tracker and older steps are untouched."""
+    save_on_preemption: bool = True
+    """On SIGTERM or SIGUSR1, finish the current step, save it synchronously and end ``fit``
+    cleanly, so that ``fit(ckpt_path="last")`` continues exactly."""
+    save_on_train_epoch_end: bool | None = None
+    """As in Lightning: with ``every_n_epochs``, save at the end of the training epoch
+    (``True``) or after validation (``False``); ``None`` decides as Lightning does."""
+    root: Path = field(init=False)
+    """``dirpath`` resolved: ``~`` expanded, absolute, symlinks resolved (as Lightning does)."""
+
+    def __post_init__(self) -> None:
+        self._check_dirpath()
+        _check_count("every_n_train_steps", self.every_n_train_steps, zero_disables=True)
+        _check_count("every_n_epochs", self.every_n_epochs, zero_disables=True)
+        _check_count("max_to_keep", self.max_to_keep, zero_disables=False)
+        interval = self.train_time_interval
+        if interval is not None and (
+            not isinstance(interval, datetime.timedelta) or interval.total_seconds() < 0
+        ):
+            raise _fail(
+                "train_time_interval",
+                interval,
+                "must be a datetime.timedelta >= 0 (0 disables it) or None",
+            )
+        self._check_one_cadence()
+        self._check_contents()
+        self._check_ranking()
+        for name in ("save_last", "restore_dataloader", "save_on_preemption"):
+            if not isinstance(getattr(self, name), bool):
+                value = getattr(self, name)
+                hint = (
+                    " ('link' is not supported: steps are directories)" if value == "link" else ""
+                )
+                raise _fail(name, value, f"must be True/False{hint}")
+        if self.on_save_error not in ("raise", "warn"):
+            raise _fail(
+                "on_save_error",
+                self.on_save_error,
+                "use 'raise' (stop the run) or 'warn' (log, count checkpoint/failed and keep "
+                "training)",
+            )
+        if self.save_on_train_epoch_end is not None and not isinstance(
+            self.save_on_train_epoch_end, bool
+        ):
+            raise _fail(
+                "save_on_train_epoch_end",
+                self.save_on_train_epoch_end,
+                "must be True, False or None (decided as Lightning does)",
+            )
+        _check_writable(self.root, self.dirpath)
+
+    def _check_dirpath(self) -> None:
+        given = self.dirpath
+        if not isinstance(given, str | os.PathLike) or not str(given):
+            raise _fail("dirpath", given, "pass the directory for this run's checkpoints")
+        if _URL.match(str(given)):
+            raise _fail(
+                "dirpath",
+                str(given),
+                "only local directories are supported; write to a local or mounted path",
+            )
+        # Only a leading "~" is the home directory ("./~/ckpts" is a directory named "~").
+        self.root = Path(os.path.realpath(os.path.expanduser(str(given))))
+        if self.root.exists() and not self.root.is_dir():
+            raise _fail(
+                "dirpath",
+                str(given),
+                "it is a file, not a directory; pass a directory (it is created if missing)",
+            )
+
+    def _check_one_cadence(self) -> None:
+        interval = self.train_time_interval
+        active = [
+            name
+            for name, on in (
+                ("every_n_train_steps", bool(self.every_n_train_steps)),
+                ("train_time_interval", interval is not None and interval.total_seconds() > 0),
+                ("every_n_epochs", bool(self.every_n_epochs)),
+            )
+            if on
+        ]
+        if len(active) > 1:
+            raise ValueError(
+                f"MegatronCheckpoint: {' and '.join(active)} are both set, but a run saves on "
+                "one cadence; keep one of them (set the others to None or 0; use two callbacks "
+                "with different dirpaths for two cadences)"
+            )
+
+    def _check_contents(self) -> None:
+        contents = self.save_contents
+        if isinstance(contents, str) or not isinstance(contents, Sequence):
+            raise _fail(
+                "save_contents",
+                contents,
+                f"pass a list of names from {SAVE_CONTENTS}, e.g. ['model', 'optimizer', 'extra']",
+            )
+        listed = list(contents)
+        unknown = [c for c in listed if c not in SAVE_CONTENTS]
+        if unknown:
+            raise _fail(
+                "save_contents", listed, f"unknown {unknown}; choose from {list(SAVE_CONTENTS)}"
+            )
+        if len(set(listed)) != len(listed):
+            raise _fail("save_contents", listed, "names repeat; list each once")
+        if "model" not in listed:
+            raise _fail(
+                "save_contents",
+                listed,
+                "'model' is required (a step without weights can be neither resumed nor exported)",
+            )
+        if "hf_model" in listed and self.hf_export is None:
+            raise _fail(
+                "save_contents",
+                listed,
+                "'hf_model' needs hf_export=HFExport(hf_model_path=...) to know the Hugging Face "
+                "model to mirror",
+            )
+        from lightning_mcore_ckpt.hf import HFExport
+
+        if self.hf_export is not None and not isinstance(self.hf_export, HFExport):
+            raise _fail(
+                "hf_export",
+                self.hf_export,
+                "pass lightning_mcore_ckpt.HFExport(hf_model_path=...) or None",
+            )
+
+    def _check_ranking(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise _fail("mode", self.mode, "use 'min' or 'max'")
+        if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
+            raise _fail("monitor", self.monitor, "the name of a logged metric, or None")
+        k = self.save_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1):
+            raise _fail("save_top_k", k, "use an int >= 0, or -1 for all")
+        if self.monitor is None and k not in (None, -1, 0, 1):
+            raise _fail(
+                "save_top_k",
+                k,
+                "without a monitor there is nothing to rank by: use -1 (keep all), 1 (keep the "
+                "newest), 0 (none), or pass monitor=",
+            )
+
+    @property
+    def top_k(self) -> int:
+        """``save_top_k`` as Lightning takes it (the default resolved)."""
+        if self.save_top_k is not None:
+            return self.save_top_k
+        return 1 if self.monitor is not None else -1
+
+    @property
+    def interval(self) -> datetime.timedelta | None:
+        """``train_time_interval`` as Lightning takes it (``timedelta(0)`` is disabled)."""
+        interval = self.train_time_interval
+        return interval if interval is not None and interval.total_seconds() > 0 else None

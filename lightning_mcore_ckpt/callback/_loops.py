@@ -1,0 +1,175 @@
+"""Lightning's loop and dataloader state at a save and at a resume: what must be rewritten or
+refused so that a resumed run continues exactly where the saved one was."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "between_epochs",
+    "check_data_parallel_change",
+    "close_epoch",
+    "max_steps_reached",
+    "on_load",
+    "refuse_unresumable_loader",
+    "validation_due",
+    "validation_enabled",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _zero(progress: dict[str, Any]) -> None:
+    for key in progress:
+        progress[key] = 0
+
+
+def close_epoch(fit: dict[str, Any]) -> None:
+    """Write a step saved once an epoch is closed as "epoch done, next not started".
+
+    A step saved after the epoch's last batch and its epoch-end work (hooks, per-epoch LR
+    schedulers), e.g. at the next epoch's start or at the end of fit, carries the counters of
+    that moment: the epoch's batches still counted as current, or the next epoch already
+    "ready". Lightning resumes those inside the wrong epoch or at the wrong batch index. The
+    counters are rewritten to what they are between two epochs, which Lightning resumes at
+    batch 0 of the next epoch; mid-epoch steps are left as they are.
+    """
+    epochs = fit.get("epoch_progress")
+    batches = fit.get("epoch_loop.batch_progress")
+    if not epochs or not batches or not batches.get("is_last_batch"):
+        return
+    current = epochs["current"]
+    if current["processed"] != current["started"] or current["completed"] != current["processed"]:
+        return  # inside an epoch (its last batch done, its end not yet run)
+    for scope in ("current", "total"):
+        done = epochs[scope]["completed"]
+        for key in ("ready", "started", "processed"):
+            epochs[scope][key] = done
+    _zero(batches["current"])
+    batches["is_last_batch"] = False
+    for key in (
+        "epoch_loop.scheduler_progress",
+        "epoch_loop.manual_optimization.optim_step_progress",
+    ):
+        if key in fit:
+            _zero(fit[key]["current"])
+    optim = fit.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    for part in optim.values():
+        _zero(part["current"])
+    val = fit.get("epoch_loop.val_loop.batch_progress")
+    if val is not None:
+        _zero(val["current"])
+        _zero(val["total"])
+        val["is_last_batch"] = False
+
+
+def between_epochs(fit: dict[str, Any]) -> bool:
+    """Whether a saved fit-loop state is the one :func:`close_epoch` writes."""
+    batches = fit.get("epoch_loop.batch_progress")
+    if not batches or batches.get("is_last_batch") or any(batches["current"].values()):
+        return False
+    total = batches["total"]
+    return bool(total["completed"]) and total["completed"] == total["processed"]
+
+
+def refuse_unresumable_loader(trainer: pl.Trainer, dirpath: str, resumed_step: int) -> None:
+    """Refuse a resume inside an epoch with a loader that cannot restore its position.
+
+    Lightning would replay the epoch from its first batch while counting on from the saved one.
+    """
+    from lightning.fabric.utilities.types import _Stateful
+
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    loader = trainer.fit_loop._combined_loader
+    # Saved at a batch end, the batch is processed but not yet completed; Lightning counts it
+    # on restart, and a save after the epoch's last batch resumes at the next epoch.
+    done = max(progress.completed, getattr(progress, "processed", 0))
+    if loader is None or done == 0 or done >= trainer.num_training_batches:
+        return
+    plain = [type(dl).__name__ for dl in loader.flattened if not isinstance(dl, _Stateful)]
+    if plain:
+        raise ValueError(
+            f"MegatronCheckpoint(dirpath={dirpath!r}): step {resumed_step} was saved inside an "
+            f"epoch (after {done} of its {trainer.num_training_batches} batches), but the "
+            f"train dataloader ({', '.join(plain)}) cannot restore its position: the rest "
+            "of the epoch would not see the data the uninterrupted run sees. Use "
+            "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader), save "
+            "only at epoch ends (every_n_epochs), or pass "
+            "MegatronCheckpoint(restore_dataloader=False) to accept a restarted epoch"
+        )
+
+
+def check_data_parallel_change(
+    checkpoint: dict[str, Any], source: dict[str, Any], current_dp: int, restore: bool
+) -> None:
+    """A resume with another data-parallel size: map, drop or refuse the loaders' state."""
+    saved_dp = (source.get("parallel_layout") or {}).get("data_parallel_size")
+    if saved_dp is None or saved_dp == current_dp:
+        return
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    loader_states = fit_state.get("combined_loader") or []
+    if not loader_states:
+        return
+    if not restore:
+        fit_state["combined_loader"] = []
+        log.warning(
+            "data-parallel size changed (%s -> %s): dataloader state not restored "
+            "(restore_dataloader=False); the epoch's data order restarts",
+            saved_dp,
+            current_dp,
+        )
+        return
+    from lightning_mcore_ckpt.sampler import is_elastic_state
+
+    if not all(is_elastic_state(s) for s in loader_states):
+        raise ValueError(
+            f"checkpoint {source.get('path')} was saved with data-parallel size {saved_dp}, "
+            f"this run has {current_dp}: its dataloader positions are per rank and cannot "
+            "be mapped. Use lightning_mcore_ckpt.ElasticSampler (continues at the exact next "
+            "global sample), or MegatronCheckpoint(restore_dataloader=False) to restart the "
+            "epoch's data order"
+        )
+
+
+def on_load(
+    checkpoint: dict[str, Any], current_dp: int, restore_dataloader: bool
+) -> tuple[int | None, int | None]:
+    """At a resume: the step resumed from, and Lightning's stepped-batch counter to restore
+    (``None`` when Lightning's own is right); refuses or drops unmappable loader state."""
+    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt.strategy import LOADED_FROM_KEY
+
+    source = checkpoint.get(LOADED_FROM_KEY) or {}
+    fit = checkpoint.get("loops", {}).get("fit_loop") or {}
+    stepped = None
+    if between_epochs(fit):
+        # Lightning adds one to its stepped-batch counter on some restarts, assuming the
+        # step was saved before the counter moved; a step saved between epochs was not.
+        stepped = fit["epoch_loop.state_dict"].get("_batches_that_stepped")
+    check_data_parallel_change(checkpoint, source, current_dp, restore_dataloader)
+    return layout.step_number(source.get("path", "")), stepped
+
+
+def max_steps_reached(trainer: pl.Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+
+
+def validation_due(trainer: pl.Trainer) -> bool:
+    """Whether Lightning runs validation right after this training batch."""
+    loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return False
+    try:
+        return bool(loop._should_check_val_fx(fetcher))
+    except (AttributeError, TypeError):  # another Lightning: assume it does not
+        return False
+
+
+def validation_enabled(trainer: pl.Trainer) -> bool:
+    batches = trainer.num_val_batches
+    total = sum(batches) if isinstance(batches, list) else batches
+    return bool(trainer.enable_validation and total)

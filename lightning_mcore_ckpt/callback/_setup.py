@@ -1,0 +1,70 @@
+"""Checks made when a run starts, before any step is written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_mcore_ckpt import metrics
+from lightning_mcore_ckpt._lock import DirectoryLock
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt.hf import HFExport
+
+__all__ = ["acquire_lock", "check_hf_export", "refuse_uploading_loggers"]
+
+
+def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock | None:
+    """Rank 0 creates ``root`` and, for ``fit``, takes its lock. Collective: every rank raises
+    the same error when the directory is in use by another run."""
+    problem, lock = None, None
+    if trainer.is_global_zero:
+        root.mkdir(parents=True, exist_ok=True)
+        if stage == "fit":
+            lock = DirectoryLock(root)
+            try:
+                lock.acquire()
+            except RuntimeError as err:
+                problem, lock = str(err), None
+            else:
+                lock.start_heartbeat()
+        metrics.define_wandb_metrics(trainer.loggers)
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        raise RuntimeError(f"MegatronCheckpoint(dirpath={str(root)!r}): {problem}")
+    return lock
+
+
+def refuse_uploading_loggers(loggers: Iterable[Any], dirpath: str) -> None:
+    """Refuse loggers told to upload checkpoints (``WandbLogger(log_model=...)``, MLflow's).
+
+    They upload checkpoint *files* and skip directories; a step here is a directory of shards,
+    so nothing would be uploaded while the run looks configured to.
+    """
+    for logger in loggers:
+        value = getattr(logger, "_log_model", False)
+        if value:
+            raise ValueError(
+                f"{type(logger).__name__}(log_model={value!r}): Lightning's loggers upload "
+                "checkpoint files, but MegatronCheckpoint writes each step as a directory of "
+                "shards, which they skip: nothing would be uploaded. Pass log_model=False; the "
+                f"steps stay in {dirpath} and each save's figures are still logged"
+            )
+
+
+def check_hf_export(export: HFExport, strategy: Any, pl_module: pl.LightningModule) -> None:
+    """The Hugging Face model to export to must match the module's GPT models' shapes."""
+    from megatron.core.models.gpt import GPTModel
+
+    from lightning_mcore_ckpt import hf
+
+    prefixes = [f"{n}." for n, m in pl_module.named_modules() if isinstance(m, GPTModel)]
+    hf.check_model_matches(
+        hf.HFBridge(export.path),
+        strategy.model_sharded_state_dict(),
+        prefixes,
+        argument="HFExport(hf_model_path=...)",
+    )

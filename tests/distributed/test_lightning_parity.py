@@ -1,0 +1,509 @@
+"""MegatronCheckpoint behaves as Lightning's ModelCheckpoint documents, step directories aside.
+
+Lightning decides when to save (its hooks, triggers and timers) and which checkpoints to keep
+(top-k by ``monitor``, best and last, its ``state_dict``, logger notifications); a "checkpoint"
+here is a committed ``<dirpath>/global_step_<N>/`` directory instead of a ``.ckpt`` file.
+
+Intended differences from Lightning 2.6.6, asserted here:
+
+- without a ``monitor``, the default keeps every step (Lightning's ``save_top_k=1`` keeps one);
+- "last" is the newest committed step, not a separate ``last.ckpt`` (as Lightning never deletes
+  the file it resumed from, the step a run resumed from is kept);
+- ``WandbLogger(log_model=...)`` is refused (it uploads checkpoint files; steps are directories);
+- a URL ``dirpath`` is refused, and ``~`` is expanded only where ``dirpath`` starts with it;
+- ``train_time_interval=timedelta(0)`` is "off" (Lightning saves at every batch);
+- with a validation-only ``monitor``, a step saved where a validation runs records that
+  validation's value (Lightning records the previous validation's value mid-epoch, and skips
+  the save when the step trigger falls on the epoch's last batch).
+
+Each parametrised table runs as one process (several fits in a row, see ``_parity.run_specs``),
+so the file stays fast; every case still asserts its own exact outcome.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _parity import SCORES, VAL_SCORES, run_specs  # tests/distributed, on the path (conftest)
+
+from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(300)
+
+LIGHTNING_STATE_KEYS = {
+    "monitor",
+    "best_model_score",
+    "best_model_path",
+    "current_score",
+    "dirpath",
+    "best_k_models",
+    "kth_best_model_path",
+    "kth_value",
+    "last_model_path",
+}
+
+
+def _top(k: int, mode: str, scores: dict[int, float] = SCORES) -> list[int]:
+    """The k best steps by score, best first."""
+    return sorted(scores, key=lambda s: scores[s], reverse=mode == "max")[:k]
+
+
+def _path(dirpath: Path, step: int) -> str:
+    return str(dirpath / f"global_step_{step}")
+
+
+def _no_error(run: dict[str, Any]) -> None:
+    assert run["error"] is None, run["error"]
+
+
+def _float(value: Any) -> float:
+    assert isinstance(value, torch.Tensor), f"{value!r} is not a tensor"
+    return float(value)
+
+
+class _Runs:
+    """Runs a table of specs once (one process), the first time any of its cases needs it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[str, Any] = {}
+
+    def __call__(
+        self, table: str, specs: dict[str, dict[str, Any]], world_size: int = 1
+    ) -> list[dict[str, Any]]:
+        if table not in self.done:
+            self.done[table] = run_distributed(run_specs, world_size, specs, timeout=280)
+        return self.done[table]  # type: ignore[no-any-return]
+
+    def dir(self, table: str, case: str) -> Path:
+        return self.root / table / case
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
+    return _Runs(tmp_path_factory.mktemp("parity"))
+
+
+def _table(
+    runs: _Runs, table: str, cases: dict[str, dict[str, Any]], world_size: int = 1
+) -> list[dict[str, Any]]:
+    specs = {case: {"dirpath": str(runs.dir(table, case)), **spec} for case, spec in cases.items()}
+    return runs(table, specs, world_size)
+
+
+# --- 1. save_top_k with a monitor ------------------------------------------------------------
+
+TOP_K = {
+    f"{mode}-k{k}-last{int(last)}": {
+        "callback": {
+            "monitor": "train_metric",
+            "mode": mode,
+            "save_top_k": k,
+            "save_last": last,
+            "every_n_train_steps": 1,
+        }
+    }
+    for mode in ("min", "max")
+    for k in (1, 2)
+    for last in (False, True)
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOP_K))
+def test_save_top_k_keeps_exactly_the_k_best_steps_by_monitor(runs: _Runs, case: str) -> None:
+    run = _table(runs, "top_k", TOP_K)[0][case]
+    _no_error(run)
+    options = TOP_K[case]["callback"]
+    dirpath = runs.dir("top_k", case)
+    best = _top(options["save_top_k"], options["mode"])
+    assert run["attrs"]["best_k_models"].keys() == {_path(dirpath, s) for s in best}
+    for step in best:
+        assert _float(run["attrs"]["best_k_models"][_path(dirpath, step)]) == SCORES[step]
+    kept = {_path(dirpath, s) for s in run["complete"]}
+    if options["save_last"]:
+        assert run["attrs"]["last_model_path"] == _path(dirpath, 6)
+        assert kept == set(run["attrs"]["best_k_models"]) | {run["attrs"]["last_model_path"]}
+        assert set(run["complete"]) == {*best, 6}
+    else:
+        assert kept == set(run["attrs"]["best_k_models"])
+        assert set(run["complete"]) == set(best)
+    assert run["step_dirs"] == sorted(f"global_step_{s}" for s in run["complete"])
+
+
+# --- 2. save_top_k=0 ------------------------------------------------------------------------
+
+TOP_0 = {
+    f"monitor{int(monitor is not None)}-last{int(last)}": {
+        "callback": {
+            "monitor": monitor,
+            "save_top_k": 0,
+            "save_last": last,
+            "every_n_train_steps": 1,
+        }
+    }
+    for monitor in (None, "train_metric")
+    for last in (False, True)
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOP_0))
+def test_save_top_k_zero_writes_nothing_but_the_last_step(runs: _Runs, case: str) -> None:
+    run = _table(runs, "top_0", TOP_0)[0][case]
+    _no_error(run)
+    if TOP_0[case]["callback"]["save_last"]:
+        # Lightning keeps only last.ckpt: here the newest step.
+        assert run["step_dirs"] == ["global_step_6"]
+        assert run["complete"] == [6]
+    else:
+        assert run["step_dirs"] == []  # not even an incomplete one
+
+
+# --- 3. without a monitor, and the defaults -----------------------------------------------
+
+NO_MONITOR = {
+    "save_top_k_1": ({"save_top_k": 1}, [6]),
+    "save_top_k_all": ({"save_top_k": -1}, [1, 2, 3, 4, 5, 6]),
+    "default_keeps_all": ({}, [1, 2, 3, 4, 5, 6]),
+    "max_to_keep_2": ({"max_to_keep": 2}, [5, 6]),
+    "monitor_default_top_1": ({"monitor": "train_metric", "save_last": False}, [4]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_MONITOR))
+def test_retention_without_monitor_and_the_save_top_k_default(runs: _Runs, case: str) -> None:
+    cases = {
+        name: {"callback": {"every_n_train_steps": 1, **kwargs}}
+        for name, (kwargs, _) in NO_MONITOR.items()
+    }
+    run = _table(runs, "no_monitor", cases)[0][case]
+    _no_error(run)
+    assert run["complete"] == NO_MONITOR[case][1]
+    assert run["step_dirs"] == [f"global_step_{s}" for s in NO_MONITOR[case][1]]
+
+
+# --- 4. bookkeeping attributes on every rank ------------------------------------------------
+
+BOOKKEEPING = {
+    "max-k2": {
+        "callback": {
+            "monitor": "train_metric",
+            "mode": "max",
+            "save_top_k": 2,
+            "every_n_train_steps": 1,
+        }
+    }
+}
+
+
+def test_bookkeeping_attributes_and_state_dict_on_every_rank(runs: _Runs) -> None:
+    results = _table(runs, "bookkeeping", BOOKKEEPING, world_size=2)
+    dirpath = runs.dir("bookkeeping", "max-k2")
+    # max, k=2 over 5,2,7,1,6,3: steps 1, 2, 3 enter, 5 replaces 1; 4 and 6 never enter.
+    expected_k = {_path(dirpath, 3): 7.0, _path(dirpath, 5): 6.0}
+    for rank_results in results:
+        run = rank_results["max-k2"]
+        _no_error(run)
+        attrs = run["attrs"]
+        assert attrs["best_model_path"] == _path(dirpath, 3), run["rank"]
+        assert _float(attrs["best_model_score"]) == 7.0
+        assert {k: _float(v) for k, v in attrs["best_k_models"].items()} == expected_k
+        assert attrs["kth_best_model_path"] == _path(dirpath, 5)
+        assert _float(attrs["kth_value"]) == 6.0
+        assert _float(attrs["current_score"]) == 6.0  # the last step that entered the top-k
+        assert attrs["last_model_path"] == _path(dirpath, 6)
+        state = run["state"]
+        assert LIGHTNING_STATE_KEYS <= state.keys(), sorted(state)
+        assert state["monitor"] == "train_metric"
+        assert str(state["dirpath"]) == str(dirpath)
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            assert state[key] == attrs[key], key
+        for key in ("best_model_score", "current_score", "kth_value"):
+            assert _float(state[key]) == _float(attrs[key]), key
+        assert {k: _float(v) for k, v in state["best_k_models"].items()} == expected_k
+    for path in [*expected_k, _path(dirpath, 6)]:
+        assert layout.is_complete(path), path
+    assert results[0]["max-k2"]["complete"] == [3, 5, 6]
+
+
+# --- 5. resume restores the bookkeeping, and top-k goes on ----------------------------------
+
+RESUME_CALLBACK = {
+    "monitor": "train_metric",
+    "mode": "max",
+    "save_top_k": 2,
+    "every_n_train_steps": 1,
+}
+
+
+def test_resume_restores_bookkeeping_and_top_k_continues(runs: _Runs) -> None:
+    dirpath = runs.dir("resume", "run")
+    specs = {
+        "first": {"dirpath": str(dirpath), "max_steps": 4, "callback": RESUME_CALLBACK},
+        "second": {
+            "dirpath": str(dirpath),
+            "max_steps": 6,
+            "callback": RESUME_CALLBACK,
+            "ckpt_path": "last",
+            "probe": True,
+        },
+    }
+    first, second = runs("resume", specs)[0].values()
+    _no_error(first)
+    _no_error(second)
+    # Steps 1..4 score 5, 2, 7, 1: the best two are 3 and 1; 4 is the last.
+    assert first["complete"] == [1, 3, 4]
+    assert first["attrs"]["best_model_path"] == _path(dirpath, 3)
+    start, end = second["start"], first["attrs"]
+    assert start is not None
+    for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+        assert start[key] == end[key], key
+    assert _float(start["best_model_score"]) == _float(end["best_model_score"]) == 7.0
+    restored = {k: _float(v) for k, v in start["best_k_models"].items()}
+    assert restored == {k: _float(v) for k, v in end["best_k_models"].items()}
+    assert restored == {_path(dirpath, 3): 7.0, _path(dirpath, 1): 5.0}
+    # Step 5 (6.0) displaces step 1 (5.0): the top-2 over both runs, and the newest step. The
+    # resumed-from step 4 stays, as in Lightning, which never deletes what it resumed from.
+    assert second["complete"] == [3, 4, 5, 6]
+    assert {k: _float(v) for k, v in second["attrs"]["best_k_models"].items()} == {
+        _path(dirpath, 3): 7.0,
+        _path(dirpath, 5): 6.0,
+    }
+
+
+# --- 6. ckpt_path="best" ------------------------------------------------------------------
+
+EVALUATE = {
+    evaluate: {
+        "callback": {"monitor": "train_metric", "save_top_k": 1, "every_n_train_steps": 1},
+        "capture_weights": True,
+        "evaluate": evaluate,
+    }
+    for evaluate in ("validate", "test")
+}
+
+
+@pytest.mark.parametrize("evaluate", sorted(EVALUATE))
+def test_evaluate_with_ckpt_path_best_loads_the_best_step(runs: _Runs, evaluate: str) -> None:
+    run = _table(runs, "evaluate", EVALUATE)[0][evaluate]
+    _no_error(run)
+    dirpath = runs.dir("evaluate", evaluate)
+    assert run["attrs"]["best_model_path"] == _path(dirpath, 4)  # min over SCORES
+    assert run["evaluated_from"] == _path(dirpath, 4)
+    best, final, loaded = run["captured"][4], run["captured"][6], run["weights_after_evaluate"]
+    assert best.keys() == loaded.keys()
+    assert any(not torch.equal(best[k], final[k]) for k in best)  # the test can tell them apart
+    for key, tensor in best.items():
+        assert torch.equal(loaded[key], tensor), key
+
+
+# --- 7. loggers hear of every committed save ------------------------------------------------
+
+LOGGERS = {
+    mode: {
+        "callback": {"every_n_train_steps": 2},
+        "strategy": {"ckpt_async_save": mode == "async"},
+        "logger": "recording",
+    }
+    for mode in ("sync", "async")
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LOGGERS))
+def test_loggers_after_save_checkpoint_once_per_committed_step(runs: _Runs, mode: str) -> None:
+    results = _table(runs, "loggers", LOGGERS, world_size=2)
+    dirpath = runs.dir("loggers", mode)
+    rank0, rank1 = results[0][mode], results[1][mode]
+    _no_error(rank0)
+    _no_error(rank1)
+    assert rank0["complete"] == [2, 4, 6]
+    calls = rank0["log_calls"]
+    assert [c["path"] for c in calls] == [_path(dirpath, s) for s in (2, 4, 6)], calls
+    for call in calls:
+        assert call["is_megatron_checkpoint"]
+        assert call["dirpath"] == str(dirpath)
+        assert call["complete"], f"{call['path']} was not committed when loggers were told"
+    assert rank1["log_calls"] == []  # loggers are told on rank 0 only
+
+
+# --- 8. WandbLogger(log_model=...) ------------------------------------------------------------
+
+WANDB = {
+    str(log_model): {
+        "callback": {"every_n_train_steps": 2},
+        "max_steps": 4,
+        "logger": ("wandb", log_model, None),
+    }
+    for log_model in (True, "all", False)
+}
+
+
+@pytest.mark.parametrize("log_model", sorted(WANDB))
+def test_wandb_log_model_is_refused_before_any_step(runs: _Runs, log_model: str) -> None:
+    pytest.importorskip("wandb")
+    cases = {}
+    for case, spec in WANDB.items():
+        kind, value, _ = spec["logger"]
+        cases[case] = {**spec, "logger": (kind, value, str(runs.dir("wandb_logs", case)))}
+    run = _table(runs, "wandb", cases)[0][log_model]
+    if log_model == "False":
+        _no_error(run)
+        assert run["complete"] == [2, 4]
+        return
+    error = run["error"]
+    assert error is not None, "log_model was accepted; nothing would be uploaded"
+    assert error["value_error"], error
+    assert "log_model" in error["message"], error
+    assert run["step_dirs"] == []
+
+
+# --- 9. a validation-only monitor ----------------------------------------------------------
+
+VAL_MONITOR_CALLBACK = {"monitor": "val_loss", "save_top_k": -1, "every_n_train_steps": 2}
+VAL_MONITOR = {
+    "val_check_interval": {
+        "callback": VAL_MONITOR_CALLBACK,
+        "val_scores": VAL_SCORES,
+        "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
+    },
+    "epoch_end": {
+        "callback": VAL_MONITOR_CALLBACK,
+        "val_scores": VAL_SCORES,
+        "trainer": {"limit_train_batches": 2, "limit_val_batches": 2},
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(VAL_MONITOR))
+def test_validation_only_monitor_records_the_validation_of_the_step(runs: _Runs, case: str) -> None:
+    # Stricter than Lightning 2.6.6, which saves step 4 mid-epoch with step 2's val_loss (and,
+    # at epoch ends, skips step 2): a step saved where a validation runs waits for its value.
+    run = _table(runs, "val_monitor", VAL_MONITOR)[0][case]
+    _no_error(run)
+    assert run["val_by_step"] == VAL_SCORES  # validation ran at steps 2, 4 and 6
+    assert run["complete"] == [2, 4, 6]
+    for step, monitor in run["monitor"].items():
+        assert monitor == {"name": "val_loss", "value": VAL_SCORES[step]}, step
+
+
+# --- 10. a misspelt monitor ---------------------------------------------------------------
+
+
+def test_misspelt_monitor_is_refused_once_validation_ran(runs: _Runs) -> None:
+    cases = {
+        "val_los": {
+            "callback": {"monitor": "val_los", "every_n_train_steps": 2},
+            "val_scores": VAL_SCORES,
+            "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
+        }
+    }
+    run = _table(runs, "misspelt", cases)[0]["val_los"]
+    error = run["error"]
+    assert error is not None, "a monitor that is never logged was accepted"
+    assert error["misconfiguration"] or error["value_error"], error
+    assert re.search(r"val_los(?!s)", error["message"]), error  # names the monitor...
+    assert "val_loss" in error["message"], error  # ...and lists what was logged
+    assert run["val_by_step"] == {2: VAL_SCORES[2]}  # raised at the first validation
+    assert run["complete"] == []
+
+
+# --- 11. train_time_interval --------------------------------------------------------------
+
+
+def test_train_time_interval_fires_between_slow_batches(runs: _Runs) -> None:
+    cases = {
+        "timed": {
+            "callback": {"train_time_interval": datetime.timedelta(seconds=0.2)},
+            "sleep_s": 0.3,
+            "max_steps": 4,
+        }
+    }
+    run = _table(runs, "timed", cases)[0]["timed"]
+    _no_error(run)
+    # Every batch outlasts the interval: each step is saved (1-3 by the timer, 4 also as last).
+    assert run["complete"] == [1, 2, 3, 4]
+
+
+# --- 12. disabling triggers ----------------------------------------------------------------
+
+TRIGGERS = {
+    "every_n_epochs_0": ({"every_n_epochs": 0, "every_n_train_steps": 2}, [2, 4, 6]),
+    "every_n_train_steps_0": ({"every_n_train_steps": 0, "every_n_epochs": 1}, [3, 6]),
+    "steps_and_epochs_0": ({"every_n_train_steps": 0, "every_n_epochs": 0}, [6]),
+    # Lightning saves at every batch with timedelta(0); here it is off, like the others.
+    "time_interval_0": ({"train_time_interval": datetime.timedelta(0)}, [6]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_zero_disables_a_trigger(runs: _Runs, case: str) -> None:
+    # Epochs of 3 batches: epoch ends at steps 3 and 6.
+    cases = {name: {"callback": kwargs, "samples": 6} for name, (kwargs, _) in TRIGGERS.items()}
+    run = _table(runs, "triggers", cases)[0][case]
+    _no_error(run)
+    assert run["complete"] == TRIGGERS[case][1]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"every_n_train_steps": 2, "every_n_epochs": 1},
+        {"every_n_train_steps": 2, "train_time_interval": datetime.timedelta(seconds=1)},
+        {"every_n_epochs": 1, "train_time_interval": datetime.timedelta(seconds=1)},
+    ],
+    ids=["steps+epochs", "steps+time", "epochs+time"],
+)
+def test_two_nonzero_triggers_are_refused(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_mcore_ckpt import MegatronCheckpoint
+
+    with pytest.raises((ValueError, MisconfigurationException)):
+        MegatronCheckpoint(tmp_path / "ckpt", **kwargs)
+
+
+# --- 13. dirpath ------------------------------------------------------------------------------
+
+
+def test_relative_dirpath_with_tilde_is_not_expanded(
+    runs: _Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    home.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(home))
+    cases = {
+        "tilde": {
+            "dirpath": "./~/ckpts",
+            "callback": {"every_n_train_steps": 1},
+            "max_steps": 2,
+            "chdir": str(cwd),
+            "home": str(home),
+        }
+    }
+    run = runs("tilde", cases)[0]["tilde"]
+    _no_error(run)
+    assert [p.name for p in home.iterdir()] == []
+    target = cwd / "~" / "ckpts"
+    assert [s.step for s in layout.complete_steps(target)] == [1, 2]
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "memory://run"])
+def test_url_dirpath_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    from lightning_mcore_ckpt import MegatronCheckpoint
+
+    monkeypatch.chdir(tmp_path)
+    error: ValueError | None = None
+    try:
+        MegatronCheckpoint(url, every_n_train_steps=1)
+    except ValueError as err:
+        error = err
+    assert list(tmp_path.iterdir()) == []  # no "s3:" or "memory:" directory
+    assert error is not None, f"dirpath={url!r} was accepted"
+    assert "dirpath" in str(error) and url in str(error), str(error)

@@ -295,3 +295,110 @@ def test_a_mismatched_hf_export_fails_before_training(tmp_path: Path) -> None:
     assert "HFExport(hf_model_path=...)" in error and "the model does not match" in error
     assert "linear_fc1.weight: the model has [256, 64], the config gives [192, 64]" in error
     assert not list((tmp_path / "ckpt").glob("global_step_*"))
+
+
+_IMPORT_IN_A_FRESH_PROCESS = r"""
+import json, os, sys
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from lightning_mcore_ckpt import hf
+from lightning_mcore_ckpt.hf import _import
+
+src, out = sys.argv[1], sys.argv[2]
+during = []
+load_hf_weights = _import.load_hf_weights
+
+
+def spy(*args, **kwargs):
+    # Megatron-Core's GPTModel, built just before, sets its attention backend in NVTE_* itself;
+    # import_checkpoint puts those back when it returns.
+    during.append(
+        {
+            "environ": {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")},
+            "world_size": dist.get_world_size(),
+            "model_parallel": parallel_state.model_parallel_is_initialized(),
+        }
+    )
+    return load_hf_weights(*args, **kwargs)
+
+
+_import.load_hf_weights = spy
+before = dict(os.environ)
+assert not any(k.startswith("NVTE_") for k in before)
+report = {}
+# No process group: one is created for the call, without the environment, and destroyed.
+hf.import_checkpoint(src, os.path.join(out, "fresh"))
+report["fresh"] = {
+    "environ_unchanged_during": during[-1]["environ"] == before,
+    "environ_unchanged_after": dict(os.environ) == before,
+    "world_size_during": during[-1]["world_size"],
+    "model_parallel_during": during[-1]["model_parallel"],
+    "dist_initialized_after": dist.is_initialized(),
+    "model_parallel_after": parallel_state.model_parallel_is_initialized(),
+}
+# An existing single-process group is used and left as it was.
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+world = dist.group.WORLD
+hf.import_checkpoint(src, os.path.join(out, "existing"))
+report["existing"] = {
+    "environ_unchanged_during": during[-1]["environ"] == before,
+    "environ_unchanged_after": dict(os.environ) == before,
+    "model_parallel_during": during[-1]["model_parallel"],
+    "same_group_after": dist.is_initialized() and dist.group.WORLD is world,
+    "model_parallel_after": parallel_state.model_parallel_is_initialized(),
+}
+dist.destroy_process_group()
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_import_leaves_the_environment_and_process_groups_as_it_found_them(
+    tmp_path: Path,
+) -> None:
+    from lightning_mcore_ckpt.tiny import tiny_hf_model
+
+    src = tiny_hf_model(tmp_path / "src", "qwen2")
+    # Launcher variables that point nowhere: a group made from the environment would fail or hang.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(
+        {
+            "PYTHONWARNINGS": "ignore",
+            "RANK": "3",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "host.invalid",
+            "MASTER_PORT": "1",
+        }
+    )
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_IN_A_FRESH_PROCESS, str(src), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line.removeprefix("REPORT "))
+    assert report["fresh"] == {
+        "environ_unchanged_during": True,
+        "environ_unchanged_after": True,
+        "world_size_during": 1,
+        "model_parallel_during": True,
+        "dist_initialized_after": False,
+        "model_parallel_after": False,
+    }
+    assert report["existing"] == {
+        "environ_unchanged_during": True,
+        "environ_unchanged_after": True,
+        "model_parallel_during": True,
+        "same_group_after": True,
+        "model_parallel_after": False,
+    }
+    for name in ("fresh", "existing"):
+        step = tmp_path / name
+        assert sorted(p.name for p in step.iterdir()) == ["metadata.json", "model"]
+    assert not list(tmp_path.glob(".fresh*")) and not list(tmp_path.glob(".existing*"))

@@ -1,0 +1,232 @@
+"""The converter: mbridge's name maps and tensor formats for one Hugging Face model family.
+
+Adds what a checkpoint-level converter needs on top of mbridge: layer-indexed names,
+vocabulary padding, shapes of the Hugging Face model, and a GPT model builder that works without
+Transformer Engine (mbridge's ``get_model`` hard-codes Transformer Engine and ``.cuda()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_mcore_ckpt import _compat, _cpu
+from lightning_mcore_ckpt.hf._names import VOCAB_KEYS
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+__all__ = ["HFBridge", "has_transformer_engine", "supported_model_types"]
+
+
+def supported_model_types() -> list[str]:
+    """Hugging Face ``model_type`` values mbridge can convert.
+
+    Example::
+
+        >>> "qwen2" in supported_model_types()
+        True
+    """
+    import mbridge  # noqa: F401 - registers the model families
+    from mbridge.core.bridge import _MODEL_REGISTRY
+
+    return sorted(_MODEL_REGISTRY)
+
+
+def has_transformer_engine() -> bool:
+    """Whether Transformer Engine layers can be used: it is installed and CUDA is available."""
+    try:
+        import transformer_engine  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class HFBridge:
+    """mbridge's conversion for the model family of one Hugging Face directory.
+
+    Name maps and tensor formats (fused QKV, gate/up) come from mbridge; this class adds what a
+    checkpoint-level converter needs: layer-stacked checkpoint names, vocabulary padding, shape
+    checks against the Hugging Face config, and a model builder that works without Transformer
+    Engine.
+
+    Example::
+
+        bridge = HFBridge("Qwen2.5-0.5B")  # in LightningModule.configure_model
+        self.model = bridge.gpt_model(bridge.transformer_config())
+    """
+
+    def __init__(
+        self,
+        hf_model_path: str | os.PathLike[str],
+        dtype: torch.dtype | None = None,
+        argument: str = "hf_model_path",
+    ) -> None:
+        path = Path(hf_model_path).expanduser()
+        if not (path / "config.json").is_file():
+            what = "does not exist" if not path.exists() else "has no config.json"
+            raise FileNotFoundError(
+                f"{argument}: {str(hf_model_path)!r} {what}; pass a local Hugging Face model "
+                "directory (config.json, tokenizer files, safetensors weights)"
+            )
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except ValueError as err:
+            raise ValueError(
+                f"{argument}: {path / 'config.json'} is not valid JSON: {err}"
+            ) from err
+        model_type = raw.get("model_type")
+        supported = supported_model_types()
+        if model_type not in supported:
+            raise ValueError(
+                f"{argument}: {path} has model_type={model_type!r}, which mbridge does not "
+                f"convert; supported model types: {', '.join(supported)}"
+            )
+        from mbridge.core.bridge import _MODEL_REGISTRY
+        from mbridge.core.parallel_states import ParallelStates
+        from transformers import AutoConfig
+
+        self.path = path
+        self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        named = raw.get("torch_dtype") or raw.get("dtype")
+        config_dtype = getattr(torch, named, None) if isinstance(named, str) else None
+        self.config_dtype: torch.dtype = (
+            config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32
+        )
+        self.dtype = dtype or self.config_dtype
+        base = _MODEL_REGISTRY[model_type]
+        # mbridge edits class-level name maps for tied embeddings; give this instance its own.
+        maps = {
+            name: dict(getattr(base, name))
+            for name in ("_DIRECT_MAPPING", "_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING")
+            if isinstance(getattr(base, name, None), dict)
+        }
+        if "_DIRECT_MAPPING" in maps and not getattr(self.hf_config, "tie_word_embeddings", False):
+            maps["_DIRECT_MAPPING"]["output_layer.weight"] = "lm_head.weight"
+        cls = type(f"_{base.__name__}", (base,), maps)
+        self.bridge = cls(
+            _compat.mbridge_hf_config(self.hf_config),
+            dtype=self.dtype,
+            parallel_states=ParallelStates(),
+        )
+        self.model_type: str = model_type
+        self.vocab_size: int = int(self.hf_config.vocab_size)
+        self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+
+    # names and formats
+
+    def hf_names(self, mcore_name: str) -> list[str]:
+        """Hugging Face names of one Megatron-Core tensor (layer-indexed, no module prefix)."""
+        try:
+            return list(self.bridge._weight_name_mapping_mcore_to_hf(mcore_name))
+        except (NotImplementedError, KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"Megatron-Core tensor {mcore_name!r} has no Hugging Face counterpart in "
+                f"mbridge's {self.model_type} mapping ({err})"
+            ) from err
+
+    def to_hf(self, mcore_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """One full (tensor-parallel merged) Megatron-Core tensor as Hugging Face tensors."""
+        if mcore_name.endswith(VOCAB_KEYS) and tensor.shape[0] > self.vocab_size:
+            tensor = tensor[: self.vocab_size]  # Megatron-Core's vocabulary padding
+        names, tensors = self.bridge._weight_to_hf_format(mcore_name, tensor)
+        if self.tied and mcore_name == "output_layer.weight":
+            return []  # the same tensor as the embedding
+        return list(zip(names, tensors, strict=True))
+
+    def to_mcore(
+        self, mcore_name: str, hf_tensors: Sequence[torch.Tensor], rows: int | None = None
+    ) -> torch.Tensor:
+        """Hugging Face tensors as one full Megatron-Core tensor (``rows``: padded vocabulary)."""
+        out = self.bridge._weight_to_mcore_format(mcore_name, list(hf_tensors))
+        if rows is not None and mcore_name.endswith(VOCAB_KEYS) and rows > out.shape[0]:
+            pad = out.new_zeros((rows - out.shape[0], *out.shape[1:]))
+            out = torch.cat([out, pad])
+        return out
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the Hugging Face model's tensors (built on the meta device: free)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if self.tied:
+            shapes.pop("lm_head.weight", None)
+        return {k: v for k, v in shapes.items() if not k.endswith("rotary_emb.inv_freq")}
+
+    # the model
+
+    def transformer_config(self, **overrides: Any) -> TransformerConfig:
+        """The Megatron-Core ``TransformerConfig`` of this model for the current parallel layout.
+
+        mbridge's config, made runnable where it is not by default: sequence parallelism only
+        with tensor parallelism, and on CPU what :mod:`lightning_mcore_ckpt._cpu` requires.
+        ``overrides`` win.
+        """
+        from megatron.core import parallel_state
+
+        settings: dict[str, Any] = {}
+        if parallel_state.model_parallel_is_initialized():
+            settings.update(
+                tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=(
+                    parallel_state.get_pipeline_model_parallel_world_size()
+                ),
+                context_parallel_size=parallel_state.get_context_parallel_world_size(),
+                expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            )
+        settings["sequence_parallel"] = settings.get("tensor_model_parallel_size", 1) > 1
+        settings["pipeline_dtype"] = self.dtype
+        settings["params_dtype"] = self.dtype
+        settings["bf16"] = self.dtype is torch.bfloat16
+        settings["fp16"] = self.dtype is torch.float16
+        settings.update(_cpu.transformer_config_overrides())
+        settings.update(overrides)
+        config = self.bridge.config
+        return dataclasses.replace(config, **settings)
+
+    def gpt_model(
+        self,
+        config: TransformerConfig | None = None,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+    ) -> torch.nn.Module:
+        """A Megatron-Core ``GPTModel`` of this architecture for the current parallel layout.
+
+        Transformer Engine layers when it is installed, Megatron-Core's local layers otherwise
+        (CPU). Weights are randomly initialised: load them with :func:`load_hf_weights` or from a
+        checkpoint.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        config = config or self.transformer_config()
+        if has_transformer_engine():
+            spec = self.bridge._get_transformer_layer_spec()
+        else:
+            spec = get_gpt_layer_local_spec(
+                qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+                normalization=config.normalization,
+            )
+        initialized = parallel_state.model_parallel_is_initialized()
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage() if initialized else True
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage() if initialized else True
+        args = self.bridge._get_gptmodel_args()
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=self.tied,
+            **args,
+        )

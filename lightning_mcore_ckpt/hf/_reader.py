@@ -1,0 +1,149 @@
+"""Reading a dist-checkpoint slice by slice (one layer of one tensor), without a process group.
+
+:class:`CheckpointReader` lists the tensors of a step's model directory and loads chosen slices
+into fresh buffers through ``torch.distributed.checkpoint`` with :class:`SlicePlanner`, so no
+process ever holds more of the model than it asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from lightning_mcore_ckpt.hf._names import EMBEDDING, LAYERS
+
+__all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One tensor, or one layer of a layer-stacked tensor, of a dist-checkpoint."""
+
+    key: str
+    """The checkpoint key (module prefix included)."""
+    layer: int | None
+    """Index on the stacked layer axis, or None for an unstacked tensor."""
+    shape: tuple[int, ...]
+    """Shape of the slice (without the layer axis)."""
+    dtype: torch.dtype
+
+
+class CheckpointReader:
+    """Reads the tensors of one dist-checkpoint directory (``model/``) on one process."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        class IndexReadOnce(FileSystemReader):
+            # dcp.load reads the index at every call; an export makes one call per tensor.
+            _index: Any = None
+
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                if self._index is None:
+                    self._index = super().read_metadata(*args, **kwargs)
+                return self._index
+
+        self.dir = model_dir
+        self.reader = IndexReadOnce(str(model_dir))
+        metadata = self.reader.read_metadata()
+        self.tensors = {
+            k: v
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
+
+    def slices(self, prefix: str) -> list[tuple[str, Slice]]:
+        """``(mcore_name, slice)`` for every tensor under ``prefix``, one per layer if stacked."""
+        out = []
+        for key, md in self.tensors.items():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix) :]
+            shape = tuple(md.size)
+            dtype = md.properties.dtype
+            if name.startswith(LAYERS):
+                rest = name[len(LAYERS) :]
+                for layer in range(shape[0]):
+                    out.append((f"{LAYERS}{layer}.{rest}", Slice(key, layer, shape[1:], dtype)))
+            else:
+                out.append((name, Slice(key, None, shape, dtype)))
+        return out
+
+    def read(self, wanted: Mapping[str, Slice]) -> dict[str, torch.Tensor]:
+        """Load the given slices (``{request id: slice}``) in one pass over the files."""
+        import torch.distributed.checkpoint as dcp
+
+        if not wanted:
+            return {}
+        out = {rid: torch.empty(s.shape, dtype=s.dtype) for rid, s in wanted.items()}
+        planner = SlicePlanner({rid: (s, out[rid]) for rid, s in wanted.items()})
+        dcp.load({}, storage_reader=self.reader, planner=planner, no_dist=True)
+        return out
+
+
+class SlicePlanner(LoadPlanner):
+    """Load slices of checkpoint tensors into given buffers, with or without a process group."""
+
+    def __init__(self, requests: Mapping[str, tuple[Slice, torch.Tensor]]) -> None:
+        self.requests = dict(requests)
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for rid, (piece, _) in self.requests.items():
+            md = self.metadata.state_dict_metadata[piece.key]
+            if piece.layer is None:
+                offsets, sizes = [0] * len(piece.shape), list(piece.shape)
+            else:
+                offsets, sizes = [piece.layer] + [0] * len(piece.shape), [1, *piece.shape]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            for item in create_read_items_for_chunk_list(piece.key, md, [chunk]):
+                # Requests are keyed by id: one checkpoint key may be read for several layers.
+                index = MetadataIndex(rid, item.dest_index.offset, item.dest_index.index)
+                items.append(dataclasses.replace(item, dest_index=index))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise RuntimeError(f"unexpected non-tensor read of {read_item.storage_index}")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        piece, dest = self.requests[read_item.dest_index.fqn]
+        view = dest if piece.layer is None else dest.unsqueeze(0)
+        for dim, (start, length) in enumerate(
+            zip(read_item.dest_offsets, read_item.lengths, strict=True)
+        ):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        return None
+
+
+def module_prefix(keys: Iterable[str], source: Path) -> str:
+    """The key prefix of the one GPT model in a checkpoint (``"model."``), found by its embedding."""
+    prefixes = sorted({k[: -len(EMBEDDING)] for k in keys if k.endswith(EMBEDDING)})
+    if len(prefixes) != 1:
+        found = "no" if not prefixes else f"{len(prefixes)} ({', '.join(prefixes)})"
+        raise ValueError(
+            f"{source}: found {found} GPT embedding tensors (*{EMBEDDING}); the Hugging Face "
+            "bridge converts a checkpoint of exactly one Megatron-Core GPT model"
+        )
+    return prefixes[0]

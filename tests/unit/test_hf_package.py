@@ -1,0 +1,101 @@
+"""The ``hf`` package: its public names, small modules, imports in one direction."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning_mcore_ckpt
+
+HF = Path(lightning_mcore_ckpt.__file__).parent / "hf"
+ORDER = [
+    "_names",
+    "_bridge",
+    "_reader",
+    "_safetensors",
+    "_plan",
+    "_export",
+    "_load",
+    "_import",
+    "_verify",
+]
+"""Each module may import only modules before it."""
+ALLOWED = {
+    "lightning_mcore_ckpt._atomic",
+    "lightning_mcore_ckpt._compat",
+    "lightning_mcore_ckpt._cpu",
+    "lightning_mcore_ckpt._parallel",
+    "lightning_mcore_ckpt.layout",
+}
+PUBLIC = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "HF_DIR",
+    "WHEN",
+    "HFBridge",
+    "HFExport",
+    "VerifyResult",
+    "check_model_matches",
+    "export_checkpoint",
+    "import_checkpoint",
+    "is_exported",
+    "load_hf_weights",
+    "supported_model_types",
+    "verify_export",
+]
+
+
+def _package_imports(path: Path) -> set[str]:
+    """Every ``lightning_mcore_ckpt`` module ``path`` imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lightning_mcore_ckpt")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "lightning_mcore_ckpt"
+        ):
+            assert node.module is not None
+            if node.module == "lightning_mcore_ckpt":
+                found |= {f"lightning_mcore_ckpt.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
+    return found
+
+
+def test_every_module_is_small_and_imports_in_one_direction() -> None:
+    modules = sorted(p.stem for p in HF.glob("*.py") if p.stem != "__init__")
+    assert modules == sorted(ORDER)
+    for path in HF.glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 400, path.name
+    for position, name in enumerate(ORDER):
+        imported = _package_imports(HF / f"{name}.py")
+        earlier = {f"lightning_mcore_ckpt.hf.{m}" for m in ORDER[:position]}
+        assert imported <= ALLOWED | earlier, (name, imported - ALLOWED - earlier)
+    init = _package_imports(HF / "__init__.py")
+    assert init <= {f"lightning_mcore_ckpt.hf.{m}" for m in ORDER}
+
+
+def test_the_public_names_are_reexported() -> None:
+    from lightning_mcore_ckpt import hf
+
+    assert sorted(hf.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        assert getattr(hf, name) is not None
+    namespace: dict[str, object] = {}
+    exec("from lightning_mcore_ckpt.hf import *", namespace)
+    assert set(PUBLIC) <= set(namespace)
+    assert hf.HF_DIR == "huggingface"
+    assert lightning_mcore_ckpt.HFExport is hf.HFExport
+
+
+def test_importing_hf_loads_neither_the_strategy_nor_the_callback() -> None:
+    code = (
+        "import sys, lightning_mcore_ckpt.hf as hf; hf.HFExport; "
+        "print(sorted(m for m in sys.modules if m.startswith('lightning_mcore_ckpt')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout
+    for module in ("strategy", "callback", "testing", "cli"):
+        assert f"'lightning_mcore_ckpt.{module}'" not in loaded, module

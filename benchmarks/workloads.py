@@ -147,6 +147,7 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     from lightning_mcore_ckpt import MegatronCheckpoint, layout
+    from lightning_mcore_ckpt.engine import optimizer_sharded_state_dict
 
     size, repeats, root = cfg["size"], cfg["repeats"], Path(cfg["dir"])
     tp = world
@@ -192,7 +193,9 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         return strategy.model_sharded_state_dict()
 
     def optim_ssd() -> dict[str, Any]:
-        return strategy._optimizer_sharded_state_dict(strategy.model_sharded_state_dict())
+        return optimizer_sharded_state_dict(
+            strategy._torch_optimizers(), module, strategy.model_sharded_state_dict()
+        )
 
     def fresh(name: str) -> Path:
         path = root / name

@@ -18,10 +18,11 @@ from lightning_mcore_ckpt._version import __version__
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
+    from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
     from lightning_mcore_ckpt.hf import HFExport
     from lightning_mcore_ckpt.resume_check import ResumeJob, ResumeReport, check_resume
     from lightning_mcore_ckpt.sampler import ElasticSampler
-    from lightning_mcore_ckpt.strategy import CheckpointSaveError, MegatronStrategy, SaveOptions
+    from lightning_mcore_ckpt.strategy import MegatronStrategy
 
 __all__ = [
     "CheckpointSaveError",
@@ -32,19 +33,21 @@ __all__ = [
     "ResumeJob",
     "ResumeReport",
     "SaveOptions",
+    "SaveRecord",
     "__version__",
     "check_resume",
 ]
 
 _LAZY = {
-    "CheckpointSaveError": "lightning_mcore_ckpt.strategy",
+    "CheckpointSaveError": "lightning_mcore_ckpt.engine",
     "ElasticSampler": "lightning_mcore_ckpt.sampler",
     "HFExport": "lightning_mcore_ckpt.hf",
     "MegatronCheckpoint": "lightning_mcore_ckpt.callback",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",
     "ResumeJob": "lightning_mcore_ckpt.resume_check",
     "ResumeReport": "lightning_mcore_ckpt.resume_check",
-    "SaveOptions": "lightning_mcore_ckpt.strategy",
+    "SaveOptions": "lightning_mcore_ckpt.engine",
+    "SaveRecord": "lightning_mcore_ckpt.engine",
     "check_resume": "lightning_mcore_ckpt.resume_check",
 }
 

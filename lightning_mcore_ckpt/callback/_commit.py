@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import _atomic, _compat, layout, metrics, retention
-from lightning_mcore_ckpt.strategy import CheckpointSaveError, SaveOptions, SaveRecord
+from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

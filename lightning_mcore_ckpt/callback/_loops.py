@@ -141,7 +141,7 @@ def on_load(
     """At a resume: the step resumed from, and Lightning's stepped-batch counter to restore
     (``None`` when Lightning's own is right); refuses or drops unmappable loader state."""
     from lightning_mcore_ckpt import layout
-    from lightning_mcore_ckpt.strategy import LOADED_FROM_KEY
+    from lightning_mcore_ckpt.engine import LOADED_FROM_KEY
 
     source = checkpoint.get(LOADED_FROM_KEY) or {}
     fit = checkpoint.get("loops", {}).get("fit_loop") or {}

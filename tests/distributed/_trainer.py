@@ -39,9 +39,14 @@ def gathered_weights(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def gathered_optimizer(trainer: Any) -> dict[str, torch.Tensor]:
+    from lightning_mcore_ckpt.engine import optimizer_sharded_state_dict
     from lightning_mcore_ckpt.testing import gather_sharded
 
     strategy = trainer.strategy
     return gather_sharded(
-        strategy._optimizer_sharded_state_dict(strategy.model_sharded_state_dict())
+        optimizer_sharded_state_dict(
+            strategy._torch_optimizers(),
+            strategy.lightning_module,
+            strategy.model_sharded_state_dict(),
+        )
     )

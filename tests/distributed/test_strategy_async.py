@@ -62,7 +62,7 @@ def _load_weights(rank: int, world_size: int, step_dir: str) -> dict[str, torch.
     _parallel.initialize(tensor_model_parallel_size=1)
     module = torch.nn.Module()
     module.gpt = tiny_gpt()
-    from lightning_mcore_ckpt.strategy import _module_sharded_state_dict
+    from lightning_mcore_ckpt.engine._state_dicts import _module_sharded_state_dict
 
     state = dist_checkpointing.load(_module_sharded_state_dict(module, ""), f"{step_dir}/model")
     module.load_state_dict(state)

@@ -53,7 +53,8 @@ def inject(fault: str | None, rank: int) -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from lightning_mcore_ckpt import _atomic, layout, strategy
+    from lightning_mcore_ckpt import _atomic, layout
+    from lightning_mcore_ckpt.engine import CheckpointWriter
 
     if point in ("model_shards", "optim_shards"):
         sub = "model/" if point == "model_shards" else "optim/"
@@ -73,14 +74,14 @@ def inject(fault: str | None, rank: int) -> None:
 
         filesystem_async._write_item = write_item
     elif point == "extra":
-        original_extra = strategy.MegatronStrategy._save_extra
+        original_extra = CheckpointWriter._write_extra
 
-        def save_extra(self: Any, directory: Path, checkpoint: Any) -> None:
+        def write_extra(self: Any, directory: Path, checkpoint: Any, state: Any) -> None:
             if _target(directory):
                 act()
-            original_extra(self, directory, checkpoint)
+            original_extra(self, directory, checkpoint, state)
 
-        strategy.MegatronStrategy._save_extra = save_extra  # type: ignore[method-assign]
+        CheckpointWriter._write_extra = write_extra  # type: ignore[method-assign]
     elif point == "before_commit":
         original_write = _atomic.write_text
 

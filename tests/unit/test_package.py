@@ -50,3 +50,25 @@ def test_console_script_help() -> None:
 def test_unknown_public_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         lightning_mcore_ckpt.Nope  # noqa: B018
+
+
+def test_the_checkpoint_engine_does_not_import_the_lightning_side() -> None:
+    import ast
+    from pathlib import Path
+
+    engine = Path(lightning_mcore_ckpt.__file__).parent / "engine"
+    forbidden = (
+        "lightning_mcore_ckpt.strategy",
+        "lightning_mcore_ckpt.callback",
+        "lightning_mcore_ckpt.hf",
+    )
+    found = []
+    for source in sorted(engine.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{source.name}: {n}" for n in names if n.startswith(forbidden)]
+    assert found == []

@@ -50,3 +50,17 @@ def test_save_options_reject_unknown_contents() -> None:
         ValueError, match=r"unknown \['weights'\]; choose from \['model', 'optimizer', 'extra'\]"
     ):
         SaveOptions(contents=("model", "weights"))
+
+
+def test_the_constructor_takes_exactly_the_config_fields_with_the_same_defaults() -> None:
+    import dataclasses
+    import inspect
+
+    from lightning_mcore_ckpt.strategy import StrategyConfig
+
+    params = list(inspect.signature(MegatronStrategy.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(StrategyConfig)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert [p.default for p in params] == [f.default for f in fields]
+    strategy = MegatronStrategy(tensor_model_parallel_size=2, seed=7)
+    assert strategy.config == StrategyConfig(tensor_model_parallel_size=2, seed=7)

@@ -1,0 +1,65 @@
+"""The collectives a checkpoint save or load runs outside Megatron-Core: rank 0's answer for
+everyone, and one failure agreed on by every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_ckpt.engine._records import CheckpointSaveError
+
+__all__ = ["agree_on_failure", "broadcast", "describe_error", "distributed"]
+
+
+def distributed() -> bool:
+    """Whether the default process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def broadcast(obj: Any) -> Any:
+    """Global rank 0's ``obj`` on every rank (as is, without a process group). Collective."""
+    if not distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def agree_on_failure(
+    error: BaseException | None, path: Path, phase: str, rank: int, device: torch.device
+) -> CheckpointSaveError | None:
+    """Collective: every rank learns whether any rank failed, so none waits for it.
+
+    The error reported everywhere is the lowest failing rank's (for a shard write error,
+    rank 0 is the one that holds every rank's details).
+    """
+    world = dist.get_world_size()
+    mine = torch.tensor([world if error is None else rank], device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    failed_rank = int(mine.item())
+    if failed_rank >= world:
+        return None
+    why = [describe_error(error) if error is not None else ""]
+    dist.broadcast_object_list(why, src=failed_rank)
+    failure = CheckpointSaveError(
+        f"checkpoint save to {path} failed while {phase} (rank {failed_rank}): {why[0]}"
+    )
+    failure.__cause__ = error
+    return failure
+
+
+def describe_error(error: BaseException) -> str:
+    """An error's message, with the per-rank causes a torch ``CheckpointException`` hides."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            while getattr(cause, "__cause__", None) is not None:
+                cause = cause.__cause__
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(error).__name__}: {error}"

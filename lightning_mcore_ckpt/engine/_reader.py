@@ -1,0 +1,222 @@
+"""``CheckpointReader``: loads step directories into the current layout, whatever saved them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, layout
+from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt.engine._collectives import broadcast
+from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
+from lightning_mcore_ckpt.engine._state_dicts import TrainingState, optimizer_sharded_state_dict
+from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
+
+__all__ = ["CheckpointReader", "holds_weights_only"]
+
+log = logging.getLogger(__name__)
+
+
+def holds_weights_only(path: Path) -> bool:
+    """A step with weights and nothing to resume (no optimizer, no training state)."""
+    metadata = layout.read_metadata(path) or {}
+    return (
+        not (path / OPTIM_DIR).is_dir()
+        and not (path / EXTRA_DIR).is_dir()
+        and metadata.get("contents", ["model"]) == ["model"]
+    )
+
+
+class CheckpointReader:
+    """Reads a step directory's ``model/``, ``optim/`` and ``extra/`` into this rank's state.
+
+    Collective methods (every rank calls them, in the same order): :meth:`resolve` (rank 0
+    resolves, then broadcasts), :meth:`load_weights` and :meth:`load_optimizers` (the shard
+    reads of Megatron-Core's dist-checkpointing). :meth:`load_extra` is local: each rank reads
+    its own ``extra/`` file (rank 0's when the layout changed).
+    """
+
+    def __init__(self, *, parallel_load: bool = False) -> None:
+        self.parallel_load = parallel_load
+        """Spread the reads across data-parallel ranks (CUDA only; ignored on CPU)."""
+
+    def resolve(self, checkpoint_path: Any, rank: int) -> Path:
+        """The step directory ``checkpoint_path`` names (a step, or a directory of steps).
+
+        Collective: rank 0 resolves it and every rank gets its answer (or the same
+        ``FileNotFoundError``). Checks that it is a step directory this version can read.
+        """
+        problem = resolved = None
+        if rank == 0:
+            try:
+                resolved = str(layout.resolve_checkpoint(checkpoint_path))
+            except FileNotFoundError as err:
+                problem = str(err)
+        resolved, problem = broadcast((resolved, problem))
+        if problem is not None:
+            raise FileNotFoundError(problem)
+        path = Path(resolved)
+        if rank == 0 and str(path) != str(checkpoint_path):
+            log.info("resuming from %s", path)
+        if not (path / MODEL_DIR).is_dir():
+            raise FileNotFoundError(
+                f"{path} is not a lightning-mcore-ckpt step directory: it has no {MODEL_DIR}/ "
+                "(expected model/, optim/, extra/)"
+            )
+        layout.check_format(path)
+        _compat.check_readable(path)
+        return path
+
+    def _load_strategy(self, path: Path) -> Any:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_load_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        strategy = get_default_load_sharded_strategy(str(path))
+        if self.parallel_load and parallel_state.get_data_parallel_world_size() > 1:
+            if _cpu.parallel_load_supported():
+                strategy = FullyParallelLoadStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+                )
+            else:
+                log.info("ckpt_parallel_load needs CUDA; loading without it on CPU")
+        return strategy
+
+    def check_shapes(self, model_dir: Path, state: TrainingState) -> None:
+        """Name the first tensor whose shape differs between the checkpoint and the model."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = {
+            key: tuple(md.size)
+            for key, md in FileSystemReader(str(model_dir))
+            .read_metadata()
+            .state_dict_metadata.items()
+            if hasattr(md, "size")
+        }
+        ssd = state.model_sharded_state_dict()
+        apply_factories(ssd)
+        for sh in nested_values(ssd):
+            if not isinstance(sh, ShardedTensor):
+                continue
+            want, got = tuple(sh.global_shape), saved.get(sh.key)
+            if got is None:
+                raise ValueError(
+                    f"checkpoint {model_dir.parent} does not fit the model: it has no tensor "
+                    f"{sh.key!r} (shape {list(want)} in the model); load it into the model it "
+                    "was saved from (same attribute names and config)"
+                )
+            if got != want:
+                raise ValueError(
+                    f"checkpoint {model_dir.parent} does not fit the model: {sh.key} has shape "
+                    f"{list(got)} in the checkpoint but {list(want)} in the model; load it into "
+                    "a model with the configuration it was saved with"
+                )
+
+    def load_weights(self, path: Path, state: TrainingState) -> None:
+        """Load ``path``'s ``model/`` into ``state.module``, resharded (collective)."""
+        from megatron.core import dist_checkpointing
+
+        self.check_shapes(path / MODEL_DIR, state)
+
+        loaded = dist_checkpointing.load(
+            state.model_sharded_state_dict(),
+            str(path / MODEL_DIR),
+            sharded_strategy=self._load_strategy(path / MODEL_DIR),
+        )
+        state.module.load_state_dict(loaded, strict=state.strict)
+
+    def load_optimizers(self, directory: Path, state: TrainingState) -> None:
+        """Load an ``optim/`` directory into ``state.optimizers``, resharded (collective)."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.optimizer import MegatronOptimizer
+
+        model_ssd = state.model_sharded_state_dict()
+        saved_keys: set[str] | None = None
+        for opt in state.optimizers:
+            if not isinstance(opt, MegatronOptimizer):
+                if saved_keys is None:
+                    saved_keys = _optim.saved_state_keys(directory)
+                # State for exactly the parameters that had it when saved (not frozen ones).
+                _optim.init_state(opt, model_ssd, saved_keys)
+        loaded = dist_checkpointing.load(
+            optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, True),
+            str(directory),
+            sharded_strategy=self._load_strategy(directory),
+        )
+        stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state)
+        for idx, opt in enumerate(state.optimizers):
+            if isinstance(opt, MegatronOptimizer):
+                opt.load_state_dict(loaded[f"optimizer_{idx}"])
+            else:
+                _optim.load_sharded(opt, loaded[f"optimizer_{idx}"])
+                if stateless is not None and idx < len(stateless):
+                    # Slices saved as zeros only to complete a stacked tensor: no state again.
+                    _optim.drop_state(opt, stateless[idx])
+
+    @staticmethod
+    def _saved_stateless(extra: Path, state: TrainingState) -> list[list[int]] | None:
+        # This rank's record, when the layout is the one that saved it.
+        own = extra / f"rank_{state.rank:05d}.pt"
+        if not own.is_file():
+            return None
+        payload = torch.load(own, map_location="cpu", weights_only=False)
+        if payload.get("parallel_layout") != state.parallel_layout:
+            return None
+        return payload.get("optimizer_stateless")
+
+    def load_extra(
+        self, directory: Path, state: TrainingState, *, seed: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Lightning's state and the RNG from an ``extra/`` directory (local).
+
+        Restores the RNG (this rank's file, when the layout is the one that saved it), else
+        re-derives it from ``seed`` and the saved step. Returns Lightning's checkpoint dict (with
+        :data:`LOADED_FROM_KEY`) and the RNG state as loaded, to re-apply at the first resumed
+        batch; ``({}, None)`` when there is no ``extra/``.
+        """
+        if not directory.is_dir():
+            log.warning("%s is missing: loops, callbacks and RNG start fresh", directory)
+            return {}, None
+        own = directory / f"rank_{state.rank:05d}.pt"
+        first = directory / "rank_00000.pt"
+        source = own if own.is_file() else first
+        payload = torch.load(source, map_location="cpu", weights_only=False)
+        version = payload.get("version", EXTRA_FORMAT_VERSION)
+        if isinstance(version, int) and version > EXTRA_FORMAT_VERSION:
+            raise ValueError(
+                f"{source} is in extra-state format {version}; this lightning-mcore-ckpt reads "
+                f"format {EXTRA_FORMAT_VERSION} and older. Upgrade lightning-mcore-ckpt to load it"
+            )
+        saved_layout = payload.get("parallel_layout")
+        lightning = dict(payload.get("lightning", {}))
+        if saved_layout == state.parallel_layout and source == own:
+            RNGState().load_state_dict(payload.get("rng", {}))
+        else:
+            step = int(lightning.get("global_step", 0))
+            if state.rank == 0:
+                log.warning(
+                    "parallel layout changed since the save (%s -> %s): RNG is re-derived per "
+                    "rank from seed=%d + global_step=%d instead of restored",
+                    saved_layout,
+                    state.parallel_layout,
+                    seed,
+                    step,
+                )
+            _parallel.seed_all(seed + step)
+        lightning[LOADED_FROM_KEY] = {
+            "path": str(directory.parent),
+            "parallel_layout": saved_layout,
+        }
+        # Creating the resumed dataloader's iterator draws from the global RNG, which the
+        # uninterrupted run did at the start of the epoch: the strategy re-applies this state
+        # at the first resumed batch when it falls inside an epoch.
+        return lightning, RNGState().state_dict()

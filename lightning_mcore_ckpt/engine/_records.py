@@ -1,0 +1,130 @@
+"""What a save is asked to do and what it did: options, records, listeners, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "CONTENTS",
+    "LOADED_FROM_KEY",
+    "CheckpointSaveError",
+    "SaveListener",
+    "SaveOptions",
+    "SaveRecord",
+]
+
+CONTENTS = ("model", "optimizer", "extra")
+"""What a step directory can hold, as named in ``SaveOptions.contents``."""
+LOADED_FROM_KEY = "lightning_mcore_ckpt"
+"""Key of the checkpoint dict ``load_checkpoint`` returns that says where it came from and the
+parallel layout that saved it (callbacks read it in ``on_load_checkpoint``)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint write failed (raised on every rank, naming the step directory).
+
+    Example::
+
+        try:
+            trainer.fit(module, ckpt_path="last")
+        except CheckpointSaveError as err:
+            log.error("%s", err)  # names the step, the failing rank and the cause
+    """
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveRecord:
+    """What one save did, once it is durable on every rank (the same on every rank).
+
+    Passed to ``SaveOptions.on_finalized`` and to every registered :class:`SaveListener` that
+    owns the path.
+
+    Example::
+
+        def report(record: SaveRecord) -> None:
+            print(record.path, record.contents, f"blocked {record.blocking_time_s:.2f}s")
+
+        trainer.save_checkpoint(
+            "checkpoints/global_step_100", storage_options=SaveOptions(on_finalized=[report])
+        )
+    """
+
+    path: Path
+    """The step directory."""
+    contents: tuple[str, ...]
+    """What was written: a subset of ``("model", "optimizer", "extra")``."""
+    asynchronous: bool
+    """Whether the shards were written in the background."""
+    writer: str
+    """The async writer (``"megatron"`` or ``"nvrx"``); see :func:`_compat.async_strategy`."""
+    parallel_layout: dict[str, int]
+    """The parallel sizes of the saving run."""
+    blocking_time_s: float
+    """How long training was blocked, on the slowest rank."""
+    write_time_s: float
+    """How long the shard writes lasted, on the slowest rank."""
+    total_time_s: float
+    """From the start of the save until it was durable everywhere, on the slowest rank."""
+    finalized_at: float
+    """``time.perf_counter()`` on this rank when the save became durable everywhere."""
+
+
+@runtime_checkable
+class SaveListener(Protocol):
+    """Told, on every rank, how the saves of the paths it owns ended.
+
+    Registered once with :meth:`MegatronStrategy.add_save_listener` (``MegatronCheckpoint``
+    registers its committer), instead of handlers passed with each save. For a save whose path
+    a listener owns, a failure goes to the listener instead of being raised.
+    """
+
+    def owns(self, path: Path) -> bool:
+        """Whether saves to ``path`` are this listener's."""
+        ...
+
+    def saved(self, record: SaveRecord) -> None:
+        """Every rank, in order: the save is durable on all ranks."""
+        ...
+
+    def failed(self, path: Path, error: CheckpointSaveError) -> None:
+        """Every rank: the save to ``path`` failed (the same error everywhere)."""
+        ...
+
+
+@dataclass(kw_only=True)
+class SaveOptions:
+    """What :meth:`MegatronStrategy.save_checkpoint` writes, passed as ``storage_options``.
+
+    Example::
+
+        trainer.save_checkpoint(
+            "checkpoints/global_step_100",
+            storage_options=SaveOptions(contents=["model"], synchronous=True),
+        )
+    """
+
+    contents: Sequence[str] = CONTENTS
+    """Subset of ``("model", "optimizer", "extra")`` to write."""
+    on_finalized: list[Callable[[SaveRecord], None]] = field(default_factory=list)
+    """Called on every rank, in order, once the whole save is durable on all ranks, with its
+    :class:`SaveRecord`. For an async save this happens at finalisation."""
+    synchronous: bool = False
+    """Write synchronously even with ``ckpt_async_save=True`` (e.g. before a preempted exit)."""
+    on_error: Callable[[CheckpointSaveError], None] | None = None
+    """Called on every rank instead of raising when this save fails (sync: from
+    ``save_checkpoint``; async: at finalisation). Default: a :class:`SaveListener` that owns
+    the path, else raise."""
+    started_at: float | None = None
+    """``time.perf_counter()`` when the caller began this save's work on the training thread
+    (its own preparation then counts as blocking time). Default: when ``save_checkpoint``
+    starts."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.contents) - set(CONTENTS))
+        if unknown:
+            raise ValueError(
+                f"SaveOptions(contents=...): unknown {unknown}; choose from {list(CONTENTS)}"
+            )

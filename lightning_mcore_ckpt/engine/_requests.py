@@ -1,0 +1,70 @@
+"""The one async request a save hands to Megatron-Core's writer, and the save in flight."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt import _compat
+from lightning_mcore_ckpt.engine._records import SaveOptions
+
+__all__ = ["PendingSave", "combine_async_requests", "run_in_order"]
+
+
+@dataclass
+class PendingSave:
+    """The async save in flight: written in the background, not yet finalised."""
+
+    path: Path
+    call_ids: list[int]
+    timings: dict[str, float]
+    base: dict[str, Any]
+    options: SaveOptions
+    write_timer: torch.Tensor
+    """Shared memory the background writer stores its write duration in."""
+    device: torch.device
+    """Where the finalising collectives place their tensors."""
+
+
+def run_in_order(
+    calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+    write_timer: torch.Tensor,
+    writer: str,
+) -> None:
+    """Run the staged writes one after the other; store their duration in ``write_timer``."""
+    # Runs in the background writer process for an async save: write_timer is shared memory.
+    start = time.perf_counter()
+    for fn, args, kwargs in calls:
+        if writer == _compat.BUILTIN:
+            with _compat.write_errors_keep_their_cause(args) as args:
+                fn(*args, **kwargs)
+        else:
+            fn(*args, **kwargs)
+    write_timer[0] = time.perf_counter() - start
+
+
+def combine_async_requests(requests: Sequence[Any], write_timer: torch.Tensor) -> Any:
+    """One async request that stages, writes and finalises ``requests`` in order.
+
+    Megatron-Core's async writer returns its write results through one process-wide queue, so
+    two saves in flight at once (model/ and optim/) can pick up each other's results. Written by
+    one background process, one after the other, their results arrive in the order their
+    finalisers read them. Staging (``preload_fn``) happens here, on the training thread: it is
+    the snapshot the background writes from.
+    """
+    _, async_request = _compat.async_classes()
+    calls = []
+    finalize_fns: list[Callable[[], None]] = []
+    for req in requests:
+        args = list(req.async_fn_args)
+        if req.preload_fn is not None:
+            args[1] = req.preload_fn()
+        if req.async_fn is not None:
+            calls.append((req.async_fn, tuple(args), dict(req.async_fn_kwargs)))
+        finalize_fns.extend(req.finalize_fns)
+    return async_request(run_in_order, (calls, write_timer, _compat.async_strategy()), finalize_fns)

@@ -1,0 +1,100 @@
+"""Sharded state dicts of the model and its optimizers, as Megatron-Core dist-checkpointing
+writes and reads them, and the rank-local view of a training run the engine works on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_ckpt import _optim
+
+__all__ = [
+    "TrainingState",
+    "optimizer_sharded_state_dict",
+    "stateless_params",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingState:
+    """This rank's side of a checkpoint: what it writes and reads into, and where it sits.
+
+    Built by the strategy for each save or load; the engine never holds on to it past one call
+    (an async save keeps only the device).
+    """
+
+    module: torch.nn.Module
+    """The root module (the LightningModule): weights are loaded into it."""
+    model_sharded_state_dict: Callable[[], dict[str, Any]]
+    """A fresh sharded state dict of the weights (saving consumes one)."""
+    optimizers: Sequence[torch.optim.Optimizer]
+    """The torch (or Megatron-Core) optimizers, unwrapped, in the order they are saved."""
+    rank: int
+    """This process's global rank."""
+    device: torch.device
+    """Where this rank's collectives place their tensors."""
+    parallel_layout: dict[str, int]
+    """The parallel sizes of this run, as recorded in checkpoints."""
+    strict: bool = True
+    """Whether loading the weights requires every key of the module."""
+
+
+def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, Any]:
+    """``module``'s weights as a Megatron-Core sharded state dict, keys prefixed by ``prefix``.
+
+    Megatron-Core modules contribute their own ``sharded_state_dict()``; any other parameter
+    or persistent buffer is a replicated tensor (written once, by global rank 0's replica).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.module import MegatronModule
+
+    out: dict[str, Any] = {}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    local = list(module._parameters.items()) + [
+        (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set
+    ]
+    for name, tensor in local:
+        if tensor is not None:
+            key = f"{prefix}{name}"
+            out[key] = ShardedTensor.from_rank_offsets(key, tensor, replica_id=rank)
+    for name, child in module.named_children():
+        if isinstance(child, MegatronModule):
+            out.update(child.sharded_state_dict(prefix=f"{prefix}{name}."))
+        else:
+            out.update(_module_sharded_state_dict(child, f"{prefix}{name}."))
+    return out
+
+
+def optimizer_sharded_state_dict(
+    optimizers: Sequence[torch.optim.Optimizer],
+    module: torch.nn.Module,
+    model_ssd: dict[str, Any],
+    is_loading: bool = False,
+) -> dict[str, Any]:
+    """The optimizers' state mapped onto ``model_ssd`` (``optimizer_<i>`` each).
+
+    Parameters of ``module`` that no optimizer holds (frozen ones) are saved with the first
+    torch optimizer, so that a later run that trains them finds their slots.
+    """
+    from megatron.core.optimizer import MegatronOptimizer
+
+    out: dict[str, Any] = {}
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    outside = [p for p in module.parameters() if id(p) not in held]
+    for idx, opt in enumerate(optimizers):
+        if isinstance(opt, MegatronOptimizer):
+            out[f"optimizer_{idx}"] = opt.sharded_state_dict(model_ssd, is_loading=is_loading)
+        else:
+            out[f"optimizer_{idx}"] = _optim.sharded_state_dict(
+                opt, model_ssd, outside if idx == 0 else ()
+            )
+    return out
+
+
+def stateless_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[int]]:
+    """Per optimizer, which parameters had no state (frozen, or never given a gradient)."""
+    return [_optim.stateless_params(o) for o in optimizers]

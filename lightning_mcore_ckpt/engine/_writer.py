@@ -1,0 +1,362 @@
+"""``CheckpointWriter``: writes step directories, synchronously or in the background."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_mcore_ckpt import _atomic, _compat, layout, retention
+from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
+from lightning_mcore_ckpt.engine._records import (
+    CheckpointSaveError,
+    SaveListener,
+    SaveOptions,
+    SaveRecord,
+)
+from lightning_mcore_ckpt.engine._requests import PendingSave, combine_async_requests, run_in_order
+from lightning_mcore_ckpt.engine._state_dicts import (
+    TrainingState,
+    optimizer_sharded_state_dict,
+    stateless_params,
+)
+from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
+
+__all__ = ["CheckpointWriter"]
+
+
+class CheckpointWriter:
+    """Writes step directories (``model/``, ``optim/``, ``extra/``); owns the one async save.
+
+    It holds the async calls queue, the save in flight (at most one) and the
+    :class:`SaveListener` s, and it is the only place where a pending save is finalised.
+
+    Collective methods are called by every rank of the default process group, at the same
+    point of the job. A save goes through this sequence of calls:
+
+    1) (all ranks) :meth:`save`: finalise the pending save (blocking, as in 4); rank 0 creates
+       the step directory and every rank gets its verdict (broadcast); every rank plans and
+       stages its shards of ``model/`` and ``optim/`` (Megatron-Core's planning is collective)
+       and writes its own ``extra/rank_<r>.pt``; every rank agrees on whether any rank failed
+       (all-reduce, then the failing rank's error broadcast). Then, synchronously: every rank
+       writes its shards, agrees, runs Megatron-Core's finalisers (they gather every rank's
+       write results on rank 0: collective), agrees, and completes (all-reduce of timings;
+       ``on_finalized`` and the owning listeners' ``saved``, on every rank, in that order).
+       Asynchronously: every rank hands its writes to the background process and returns.
+    2) (all ranks, async only) :meth:`finalize` with ``blocking=False``, at each training batch
+       start: Megatron-Core's queue agrees over all ranks on whether the writes are done;
+       ``False`` until they are done on every rank; then it completes the save as in 1.
+    3) (all ranks) :meth:`remove` of a step directory: the pending save first when it is that
+       one (as in 4); rank 0 deletes; every rank waits in a barrier.
+    4) (all ranks) :meth:`finalize` with ``blocking=True`` (before the next save, at the end of
+       training) or :meth:`close` (at teardown, while the process group is up; then it closes
+       the queue, locally).
+
+    A failure on any rank becomes the same :class:`CheckpointSaveError` on every rank, given to
+    the save's ``on_error`` and to the listeners that own the path, else raised from the call
+    that found it (``save`` or ``finalize``). :meth:`add_listener`, :meth:`remove_listener` and
+    :attr:`pending_path` are local.
+    """
+
+    def __init__(self, *, async_save: bool = False, parallel_save: bool = True) -> None:
+        self.async_save = async_save
+        """Write model and optimizer shards in the background (unless a save asks otherwise)."""
+        self.parallel_save = parallel_save
+        """Spread the writes of replicated tensors across data-parallel ranks."""
+        self._async_queue: Any = None
+        self._pending: PendingSave | None = None
+        self._listeners: list[SaveListener] = []
+
+    # --- listeners (local) ----------------------------------------------------------------
+
+    def add_listener(self, listener: SaveListener) -> None:
+        """Register ``listener`` to be told how the saves of the paths it owns end."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: SaveListener) -> None:
+        """Undo :meth:`add_listener` (a no-op when not registered)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    @property
+    def pending_path(self) -> Path | None:
+        """The step directory of the async save in flight, if any."""
+        return None if self._pending is None else self._pending.path
+
+    # --- save (collective) ----------------------------------------------------------------
+
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        options: SaveOptions,
+        state: TrainingState,
+    ) -> None:
+        """Write a step directory from ``state`` (and ``checkpoint`` into ``extra/``).
+
+        Collective: see the class docstring. A failure on any rank becomes the same
+        :class:`CheckpointSaveError` on every rank, handled by ``options.on_error`` and the
+        listeners that own the path, else raised; a non-empty existing directory is a
+        ``FileExistsError`` on every rank.
+        """
+        from megatron.core import dist_checkpointing
+
+        self.finalize(blocking=True)
+        start = time.perf_counter() if options.started_at is None else options.started_at
+        path = Path(broadcast(str(filepath)))
+        contents = list(options.contents)
+        problem = self._create_directories(path, contents) if state.rank == 0 else None
+        # Every rank raises the same error instead of waiting for rank 0 in a barrier.
+        problem = broadcast(problem)
+        if problem is not None:
+            if problem.startswith("cannot create"):
+                return self._failed(path, CheckpointSaveError(problem), options)
+            raise FileExistsError(problem)
+        async_save = self.async_save and not options.synchronous
+        requests = []
+        model_ssd = state.model_sharded_state_dict()
+        # Sync and async saves take the same path (as dist_checkpointing.save does internally):
+        # plan and stage here, write (inline or in the background), then finalise. So both
+        # measure the same phases.
+        if "model" in contents:
+            requests.append(
+                dist_checkpointing.save(
+                    model_ssd,
+                    str(path / MODEL_DIR),
+                    sharded_strategy=self._save_strategy(),
+                    async_sharded_save=True,
+                    **_compat.save_kwargs(),
+                )
+            )
+        if "optimizer" in contents and state.optimizers:
+            requests.append(
+                dist_checkpointing.save(
+                    # save() consumes the model's sharded dict; map the optimizer onto a new one.
+                    optimizer_sharded_state_dict(
+                        state.optimizers, state.module, state.model_sharded_state_dict()
+                    ),
+                    str(path / OPTIM_DIR),
+                    sharded_strategy=self._save_strategy(),
+                    async_sharded_save=True,
+                    **_compat.save_kwargs(),
+                )
+            )
+        write_timer = torch.zeros(1, dtype=torch.float64).share_memory_()
+        request = combine_async_requests([r for r in requests if r is not None], write_timer)
+        extra_write_s = 0.0
+        error: BaseException | None = None
+        if "extra" in contents:
+            extra_start = time.perf_counter()
+            try:
+                self._write_extra(path / EXTRA_DIR, checkpoint, state)
+            except OSError as err:
+                error = err
+            extra_write_s = time.perf_counter() - extra_start
+        failure = agree_on_failure(error, path, "writing extra/", state.rank, state.device)
+        if failure is not None:
+            return self._failed(path, failure, options)
+        base: dict[str, Any] = {
+            "path": path,
+            "contents": tuple(contents),
+            "asynchronous": async_save,
+            "writer": _compat.async_strategy(),
+            "parallel_layout": state.parallel_layout,
+        }
+        timings = {"start": start, "extra_write_s": extra_write_s}
+        if async_save:
+            call_id = self._get_async_queue().schedule_async_request(request)
+            timings["call_s"] = time.perf_counter() - start
+            self._pending = PendingSave(
+                path, [call_id], timings, base, options, write_timer, state.device
+            )
+            return None
+        try:
+            run_in_order(*request.async_fn_args)
+        except Exception as err:  # noqa: BLE001 - any write error: shared, then raised
+            error = err
+        failure = agree_on_failure(
+            error, path, "writing model/ and optim/", state.rank, state.device
+        )
+        if failure is None:
+            # Collective: shard writers report their errors here (the failing rank's names the
+            # cause; the others only learn that a rank failed): share the failing rank's.
+            try:
+                for finalize in request.finalize_fns:
+                    finalize()
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared, re-raised
+                error = err
+            failure = agree_on_failure(
+                error, path, "finishing model/ and optim/", state.rank, state.device
+            )
+        if failure is not None:
+            return self._failed(path, failure, options)
+        timings["call_s"] = time.perf_counter() - start
+        self._complete(base, timings, write_timer, options, state.device)
+        return None
+
+    @staticmethod
+    def _create_directories(path: Path, contents: list[str]) -> str | None:
+        """Rank 0: the new step directory and its sub-directories; what went wrong, if any."""
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            return (
+                f"checkpoint directory {path} exists and is not empty; "
+                "save each step to a new directory"
+            )
+        try:
+            layout.mark_step_started(path)
+            for sub, wanted in (
+                (MODEL_DIR, "model"),
+                (OPTIM_DIR, "optimizer"),
+                (EXTRA_DIR, "extra"),
+            ):
+                if wanted in contents:
+                    (path / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return f"cannot create checkpoint directory {path}: {err}"
+        return None
+
+    def _save_strategy(self) -> Any:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        strategy = get_default_save_sharded_strategy("torch_dist")
+        if self.parallel_save and parallel_state.get_data_parallel_world_size() > 1:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
+        return strategy
+
+    def _write_extra(
+        self, directory: Path, checkpoint: dict[str, Any], state: TrainingState
+    ) -> None:
+        """This rank's ``extra/rank_<r>.pt``: RNG, stateless parameters, Lightning's state."""
+        payload = {
+            "version": EXTRA_FORMAT_VERSION,
+            "rank": state.rank,
+            "parallel_layout": state.parallel_layout,
+            "rng": RNGState().state_dict(),
+            # Which parameters had no optimizer state (frozen, or never given a gradient).
+            "optimizer_stateless": stateless_params(state.optimizers),
+            "lightning": {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            },
+        }
+        target = directory / f"rank_{state.rank:05d}.pt"
+        _atomic.write_with(target, lambda f: torch.save(payload, f))
+
+    def _owners(self, path: Path) -> list[SaveListener]:
+        return [listener for listener in self._listeners if listener.owns(path)]
+
+    def _failed(self, path: Path, failure: CheckpointSaveError, options: SaveOptions) -> None:
+        handled = False
+        if options.on_error is not None:
+            options.on_error(failure)
+            handled = True
+        for listener in self._owners(path):
+            listener.failed(path, failure)
+            handled = True
+        if not handled:
+            raise failure
+
+    def _complete(
+        self,
+        base: dict[str, Any],
+        timings: dict[str, float],
+        write_timer: torch.Tensor,
+        options: SaveOptions,
+        device: torch.device,
+    ) -> None:
+        # Collective (every rank finalises the same save at the same point): the job was
+        # blocked, and the write lasted, as long as on its slowest rank.
+        # The save's total time runs from the first rank's start (clocks of different hosts
+        # are not compared: each rank measures its own elapsed time).
+        now = time.perf_counter()
+        mine = [
+            timings["call_s"] + timings.get("finalize_s", 0.0),
+            float(write_timer[0]) + timings["extra_write_s"],
+            now - timings["start"],
+        ]
+        slowest = torch.tensor(mine, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        blocking, write, elapsed = (float(x) for x in slowest.cpu())
+        record = SaveRecord(
+            **base,
+            blocking_time_s=blocking,
+            write_time_s=write,
+            total_time_s=elapsed,
+            finalized_at=now,
+        )
+        for fn in options.on_finalized:
+            fn(record)
+        for listener in self._owners(record.path):
+            listener.saved(record)
+
+    def _get_async_queue(self) -> Any:
+        if self._async_queue is None:
+            async_calls_queue, _ = _compat.async_classes()
+            self._async_queue = async_calls_queue()
+        return self._async_queue
+
+    # --- finalize, remove, close (collective) ---------------------------------------------
+
+    def finalize(self, blocking: bool = False) -> bool:
+        """Finalise the async save in flight once its write has finished on every rank.
+
+        Collective (see the class docstring). With ``blocking=True`` it waits for the write.
+        Returns ``True`` when no save is in flight afterwards. A failure in the background
+        write becomes a :class:`CheckpointSaveError` naming the step, handled like a failed
+        :meth:`save` (its ``on_error``, the owning listeners, else raised).
+        """
+        pending = self._pending
+        if pending is None:
+            return True
+        start = time.perf_counter()
+
+        try:
+            finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        # CheckpointException is a BaseException; either is re-raised as CheckpointSaveError.
+        except (Exception, CheckpointException) as err:  # noqa: BLE001
+            self._pending = None
+            failure = CheckpointSaveError(
+                f"async checkpoint save to {pending.path} failed in the background write: {err}"
+            )
+            failure.__cause__ = err
+            self._failed(pending.path, failure, pending.options)
+            return True
+        pending.call_ids = [c for c in pending.call_ids if c not in finalized]
+        if pending.call_ids:
+            return False
+        self._pending = None
+        pending.timings["finalize_s"] = time.perf_counter() - start
+        self._complete(
+            pending.base, pending.timings, pending.write_timer, pending.options, pending.device
+        )
+        return True
+
+    def remove(self, path: Path, rank: int) -> None:
+        """Delete a step directory: rank 0 deletes, every rank waits for it (collective)."""
+        if self._pending is not None and self._pending.path == path:
+            self.finalize(blocking=True)
+        if rank == 0 and path.exists():
+            retention.remove_step(path)
+        if distributed():
+            dist.barrier()
+
+    def close(self) -> None:
+        """Finalise the pending save (blocking) while the process group is up; close the queue."""
+        if self._pending is not None and distributed():
+            self.finalize(blocking=True)
+        if self._async_queue is not None:
+            self._async_queue.close()
+            self._async_queue = None

@@ -1,0 +1,119 @@
+"""``StrategyConfig``: the options of ``MegatronStrategy``, checked once, at construction."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_mcore_ckpt.layout import MODEL_DIR
+
+__all__ = ["StrategyConfig"]
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MegatronStrategy({name}={value!r}): must be a positive int")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    """Every option of :class:`~lightning_mcore_ckpt.MegatronStrategy`, validated.
+
+    ``MegatronStrategy(**options)`` builds one from its keyword arguments (same names and
+    defaults) and keeps it as ``strategy.config``. A bad value raises ``ValueError`` naming the
+    argument, the value and the fix.
+
+    Example::
+
+        config = StrategyConfig(tensor_model_parallel_size=2, ckpt_async_save=True)
+        strategy = MegatronStrategy(**dataclasses.asdict(config))
+    """
+
+    tensor_model_parallel_size: int = 1
+    """Ranks each layer's tensors are split across."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks the layers are split across."""
+    context_parallel_size: int = 1
+    """Ranks the sequence is split across."""
+    expert_model_parallel_size: int = 1
+    """Ranks the MoE experts are split across."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (must match the model's config)."""
+    seed: int = 1234
+    """Seeds Python, NumPy, torch and Megatron's RNG tracker (offset per pipeline stage and
+    tensor-parallel rank as Megatron-LM does)."""
+    ckpt_async_save: bool = False
+    """Write checkpoints in the background after staging them."""
+    ckpt_parallel_save: bool = True
+    """Spread the writes of replicated tensors across data-parallel ranks."""
+    ckpt_parallel_load: bool = False
+    """Spread the reads across data-parallel ranks (CUDA only; ignored with an info message on
+    CPU)."""
+    process_group_backend: str | None = None
+    """``"nccl"`` or ``"gloo"``; default nccl with CUDA, gloo without."""
+    timeout: datetime.timedelta = field(default=default_pg_timeout)
+    """Timeout of the process groups' collectives."""
+    init_from: str | os.PathLike[str] | None = None
+    """Initial weights for a ``fit`` that does not resume from a checkpoint: a Hugging Face
+    model directory (converted on the fly through mbridge; every rank reads only its own shards)
+    or a step directory (e.g. from ``lightning-mcore-ckpt import``; any layout). When ``fit``
+    resumes (``ckpt_path="last"`` finds a step), resuming wins and this is ignored, with a log
+    line."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            _check_size(name, getattr(self, name))
+        for name in (
+            "sequence_parallel",
+            "ckpt_async_save",
+            "ckpt_parallel_save",
+            "ckpt_parallel_load",
+        ):
+            flag = getattr(self, name)
+            if not isinstance(flag, bool):
+                raise ValueError(f"MegatronStrategy({name}={flag!r}): must be True or False")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "MegatronStrategy(sequence_parallel=True) needs tensor_model_parallel_size > 1; "
+                "set sequence_parallel=False or raise tensor_model_parallel_size"
+            )
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"MegatronStrategy(seed={seed!r}): must be a non-negative int")
+        if self.process_group_backend not in (None, "nccl", "gloo"):
+            raise ValueError(
+                f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "
+                "use 'nccl', 'gloo' or None (nccl with CUDA, gloo without)"
+            )
+        if self.init_from is not None:
+            self._check_init_from(self.init_from)
+
+    @staticmethod
+    def _check_init_from(init_from: str | os.PathLike[str]) -> None:
+        source = Path(init_from).expanduser()
+        if not ((source / "config.json").is_file() or (source / MODEL_DIR).is_dir()):
+            what = "does not exist" if not source.exists() else "has neither"
+            raise ValueError(
+                f"MegatronStrategy(init_from={str(init_from)!r}): {what} config.json (a "
+                f"Hugging Face model directory) nor {MODEL_DIR}/ (a step directory); pass "
+                "one of those"
+            )
+        if (source / "config.json").is_file():
+            from lightning_mcore_ckpt.hf import HFBridge
+
+            HFBridge(source, argument="MegatronStrategy(init_from=...)")
+
+    @property
+    def init_path(self) -> Path | None:
+        """``init_from`` as a path, ``~`` expanded."""
+        return None if self.init_from is None else Path(self.init_from).expanduser()

@@ -123,6 +123,10 @@ def check_format(path: str | os.PathLike[str]) -> None:
     """Refuse a step written in a newer format than this version of the package reads.
 
     Raises ``ValueError`` naming the step, both format versions and the fix.
+
+    Example::
+
+        check_format("checkpoints/run/global_step_100")  # raises if written by a newer version
     """
     meta = read_metadata(path)
     version = (meta or {}).get("format_version", METADATA_FORMAT_VERSION)

@@ -57,7 +57,12 @@ def retention_plan(
 def remove_step(path: str | os.PathLike[str]) -> None:
     """Delete a step directory so that a crash midway leaves it *incomplete*, never damaged.
 
-    The commit marker goes first (atomically), then the rest.
+    The commit marker goes first (atomically), then the rest. Refuses (``ValueError``) a
+    directory not named ``global_step_<N>`` or without this package's markers.
+
+    Example::
+
+        remove_step("checkpoints/run/global_step_100")
     """
     p = Path(path)
     if step_number(p) is None:

@@ -13,5 +13,6 @@ done
 ruff check .
 ruff format --check .
 mypy
+lint-imports
 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 python -m pytest "$@"

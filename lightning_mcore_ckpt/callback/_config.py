@@ -57,6 +57,11 @@ class CheckpointConfig:
 
     ``MegatronCheckpoint(**options)`` builds one; every check, including those across fields,
     runs in ``__post_init__``, before anything is created on disk.
+
+    Example::
+
+        config = CheckpointConfig(dirpath="checkpoints/run", every_n_train_steps=500)
+        config.top_k  # -1: every step is kept (no monitor)
     """
 
     dirpath: str | os.PathLike[str]

@@ -175,6 +175,9 @@ class StepTriggers(ModelCheckpoint):
         assert isinstance(strategy, MegatronStrategy)
         strategy.finalize_pending_save(blocking=True)
         self._log_commits(trainer, wait=True)
+        # Rank 0 commits; every rank leaves fit once it has, so that a next fit in the same
+        # processes finds "last" the same on every rank.
+        strategy.barrier("megatron-checkpoint-committed")
 
     @override
     def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, Any]:

@@ -103,6 +103,7 @@ class DirectoryLock:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+            _atomic.fsync_dir(self.path.parent)
         self.owned = True
 
     def heartbeat(self) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigInfo", "read_config", "run_job"]
+__all__ = ["ConfigInfo", "ResumeJob", "read_config", "run_job"]
 
 _CLI_EXTRA = "pip install 'lightning-mcore-ckpt[cli]'"
 
@@ -19,6 +19,32 @@ class ConfigInfo:
     text: str
     world_size: int
     max_steps: int | None
+
+
+@dataclass
+class ResumeJob:
+    """What one run of a job is: the Trainer, the module and the data passed to ``fit``.
+
+    A resume check calls your ``build`` function on every rank of every run, and it returns one
+    of these. The Trainer must have exactly one
+    :class:`~lightning_mcore_ckpt.MegatronCheckpoint` (the check points it at a directory of
+    its own for each run) and a :class:`~lightning_mcore_ckpt.MegatronStrategy`.
+
+    Example::
+
+        def build() -> ResumeJob:
+            L.seed_everything(0)
+            trainer = L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2),
+                                callbacks=[MegatronCheckpoint("ckpt", every_n_train_steps=2)],
+                                accelerator="cpu", devices=2, max_steps=8)
+            return ResumeJob(trainer, MyModule(), datamodule=MyData())
+    """
+
+    trainer: Any
+    model: Any
+    datamodule: Any = None
+    train_dataloaders: Any = None
+    val_dataloaders: Any = None
 
 
 def _load_yaml(text: str, where: str) -> dict[str, Any]:
@@ -71,8 +97,6 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     import yaml
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_mcore_ckpt.resume_check._run import ResumeJob
-
     data = _load_yaml(source["text"], source["config"])
     data.pop("ckpt_path", None)  # the check chooses where each run starts
     trainer = dict(data.get("trainer") or {})
@@ -104,7 +128,6 @@ def run_job(
     """Build the job on this rank, point its checkpoints at ``ckpt_dir``, probe it and fit it."""
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.resume_check._probe import ResumeProbe
-    from lightning_mcore_ckpt.resume_check._run import ResumeJob
     from lightning_mcore_ckpt.strategy import MegatronStrategy
 
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from lightning_mcore_ckpt.resume_check._compare import (
     compare_finals,
     compare_timelines,
 )
+from lightning_mcore_ckpt.resume_check._job import ResumeJob, read_config, run_job
 
 __all__ = ["InterruptionResult", "ResumeJob", "ResumeReport", "check_resume"]
 
@@ -25,32 +26,6 @@ HOWS = ("clean", "sigterm", "kill")
 """The interruptions tried by default."""
 ALL_HOWS = (*HOWS, "max_steps")
 """Also ``"max_steps"``: the run ends at ``stop_at`` as a finished run, then is extended."""
-
-
-@dataclass
-class ResumeJob:
-    """What one run of a job is: the Trainer, the module and the data passed to ``fit``.
-
-    A resume check calls your ``build`` function on every rank of every run, and it returns one
-    of these. The Trainer must have exactly one
-    :class:`~lightning_mcore_ckpt.MegatronCheckpoint` (the check points it at a directory of
-    its own for each run) and a :class:`~lightning_mcore_ckpt.MegatronStrategy`.
-
-    Example::
-
-        def build() -> ResumeJob:
-            L.seed_everything(0)
-            trainer = L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2),
-                                callbacks=[MegatronCheckpoint("ckpt", every_n_train_steps=2)],
-                                accelerator="cpu", devices=2, max_steps=8)
-            return ResumeJob(trainer, MyModule(), datamodule=MyData())
-    """
-
-    trainer: Any
-    model: Any
-    datamodule: Any = None
-    train_dataloaders: Any = None
-    val_dataloaders: Any = None
 
 
 @dataclass
@@ -178,7 +153,6 @@ def _job_main(
     how: str | None,
     stop_at: int,
 ) -> None:
-    from lightning_mcore_ckpt.resume_check._job import run_job
 
     run_job(source, Path(run_dir), Path(ckpt_dir), max_steps, ckpt_path, how, stop_at)
 
@@ -247,8 +221,6 @@ def check_resume(
         raise ValueError(f"check_resume(how={how!r}): choose from {ALL_HOWS}")
     source: Any
     if isinstance(build, str | Path):
-        from lightning_mcore_ckpt.resume_check._job import read_config
-
         config = read_config(build)
         source = {"config": str(Path(build).resolve()), "text": config.text}
         world_size = world_size or config.world_size

@@ -99,3 +99,33 @@ def test_the_import_contracts_hold() -> None:
     proc = subprocess.run([lint], cwd=root, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "0 broken" in proc.stdout
+
+
+def test_no_import_cycle_between_modules() -> None:
+    # Imports of a module's own enclosing package (its __init__ re-exports) aside.
+    grimp = pytest.importorskip("grimp", reason="import-linter (the dev extra) brings grimp")
+    graph = grimp.build_graph("lightning_mcore_ckpt")
+    edges = {
+        module: {
+            imported
+            for imported in graph.find_modules_directly_imported_by(module)
+            if not module.startswith(imported + ".")
+        }
+        for module in graph.modules
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(edges.get(module, ())):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt] if nxt in path else [module, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []

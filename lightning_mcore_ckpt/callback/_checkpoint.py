@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from weakref import proxy
 
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mcore_ckpt import layout, metrics
@@ -260,6 +261,14 @@ class MegatronCheckpoint(StepTriggers):
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         # Rank 0's choice is the one loaded (the strategy resolves and broadcasts it); only it
         # reads the steps' indexes to skip a damaged one.
+        missing = [c for c in ("optimizer", "extra") if c not in self.save_contents]
+        if missing and trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(
+                f"MegatronCheckpoint(save_contents={list(self.save_contents)!r}): "
+                f'fit(ckpt_path="last") resumes training, which needs {missing} in every step. '
+                "Add them to save_contents, or start a new run from the weights with "
+                "MegatronStrategy(init_from=<step directory>)"
+            )
         newest = layout.resolve_last(self._root, verify=trainer.is_global_zero)
         if newest is not None:
             return {str(newest)}

@@ -155,7 +155,7 @@ class CheckpointWriter:
             extra_start = time.perf_counter()
             try:
                 self._write_extra(path / EXTRA_DIR, checkpoint, state)
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 - e.g. an unpicklable object: shared, raised
                 error = err
             extra_write_s = time.perf_counter() - extra_start
         failure = agree_on_failure(error, path, "writing extra/", state.rank, state.device)

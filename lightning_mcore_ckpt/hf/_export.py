@@ -71,10 +71,11 @@ class HFExport:
                 f"HFExport(when={self.when!r}): use one of {list(WHEN)} ('end': one export when "
                 "fit ends; 'every_save': into every step; 'never')"
             )
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+        writable = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        if self.dtype is not None and self.dtype not in writable:
             raise ValueError(
-                f"HFExport(dtype={self.dtype!r}): pass a torch.dtype such as torch.bfloat16, or "
-                "None for the checkpoint's dtype"
+                f"HFExport(dtype={self.dtype!r}): pass one of "
+                f"{', '.join(str(d) for d in writable)}, or None for the checkpoint's dtype"
             )
         # Fails early, naming the path, for a missing directory or an unsupported model family.
         HFBridge(self.hf_model_path, argument="HFExport(hf_model_path=...)")
@@ -82,6 +83,20 @@ class HFExport:
     @property
     def path(self) -> Path:
         return Path(self.hf_model_path).expanduser()
+
+
+def refuse_replacing_inputs(target: Path, what: str, **inputs: Path) -> None:
+    """Refuse an ``out`` that is one of the inputs or contains one (replacing it would delete
+    what is being read), before anything is written."""
+    out = Path(os.path.realpath(target.expanduser()))
+    for name, source in inputs.items():
+        src = Path(os.path.realpath(source.expanduser()))
+        if out == src or out in src.parents:
+            raise ValueError(
+                f"{what}: --out {target} is the --{name.replace('_', '-')} directory {source} "
+                "or contains it; writing there would delete what is being read. Choose an "
+                "--out outside it"
+            )
 
 
 def is_exported(step: str | os.PathLike[str]) -> bool:
@@ -106,7 +121,8 @@ def export_checkpoint(
     file (the source model's shard size) plus one slice being converted. Everything is written
     into a temporary sibling of ``out`` that is renamed into place at the end, so ``out`` is
     either absent, the old content (``overwrite``), or complete. Checked before anything is
-    written: the step is complete (unless ``require_complete=False``), ``out`` is absent or empty
+    written: ``out`` is neither the step, the Hugging Face model, nor a directory containing
+    either; the step is complete (unless ``require_complete=False``), ``out`` is absent or empty
     (or ``overwrite``), the model family is supported and the checkpoint's shapes match the
     Hugging Face config. Returns a summary (tensors, bytes, seconds).
 
@@ -116,6 +132,8 @@ def export_checkpoint(
     """
     start = time.perf_counter()
     step_path = Path(step).expanduser()
+    target = Path(out).expanduser()
+    refuse_replacing_inputs(target, "export", step=step_path, hf_model=Path(hf_model_path))
     model_dir = step_path / layout.MODEL_DIR
     if not model_dir.is_dir():
         raise FileNotFoundError(
@@ -127,7 +145,6 @@ def export_checkpoint(
             f"export: {step_path} is incomplete (no valid {layout.METADATA_FILE}: its save never "
             "committed); export a complete step instead (see `lightning-mcore-ckpt ls`)"
         )
-    target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(
             f"export: --out {target} exists and is not empty; choose a new directory or pass "

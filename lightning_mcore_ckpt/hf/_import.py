@@ -20,6 +20,7 @@ import torch
 
 from lightning_mcore_ckpt import _atomic, _parallel, layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
+from lightning_mcore_ckpt.hf._export import refuse_replacing_inputs
 from lightning_mcore_ckpt.hf._load import load_hf_weights
 
 __all__ = ["import_checkpoint"]
@@ -67,6 +68,7 @@ def import_checkpoint(
         trainer.fit(module, ckpt_path="init/qwen")  # or MegatronStrategy(init_from="init/qwen")
     """
     target = Path(out).expanduser()
+    refuse_replacing_inputs(target, "import", hf_dir=Path(hf_model_path))
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(
             f"import: --out {target} exists and is not empty; choose a new directory or pass "

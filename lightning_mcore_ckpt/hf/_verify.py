@@ -58,6 +58,15 @@ def verify_export(
         raise FileNotFoundError(
             f"verify: {out_dir} is not a Hugging Face directory (no config.json)"
         )
+    if (
+        isinstance(atol, bool)
+        or not isinstance(atol, int | float)
+        or not math.isfinite(atol)
+        or atol < 0
+    ):
+        raise ValueError(
+            f"verify: atol={atol!r} (--atol): pass a finite number >= 0 (0: bit-identical)"
+        )
     result = VerifyResult(atol=atol)
     files = safetensors_files(out_dir)
     names = {n for ns in files.values() for n in ns}

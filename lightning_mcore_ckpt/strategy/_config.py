@@ -95,6 +95,11 @@ class StrategyConfig:
                 f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "
                 "use 'nccl', 'gloo' or None (nccl with CUDA, gloo without)"
             )
+        if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"MegatronStrategy(timeout={self.timeout!r}): pass a positive "
+                "datetime.timedelta, e.g. datetime.timedelta(minutes=30)"
+            )
         if self.init_from is not None:
             self._check_init_from(self.init_from)
 

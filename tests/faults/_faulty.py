@@ -48,6 +48,10 @@ def inject(fault: str | None, rank: int) -> None:
     def act() -> None:
         if action == "kill":
             _die()
+        if action == "unpicklable":
+            import pickle
+
+            raise pickle.PicklingError(f"cannot pickle a generator (injected at {point})")
         code = getattr(errno, action)
         raise OSError(code, f"{os.strerror(code)} (injected at {point})")
 

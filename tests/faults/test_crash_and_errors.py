@@ -97,9 +97,11 @@ def test_sigkill_while_the_async_writer_writes_loses_nothing(
 def test_sigkill_of_one_rank_of_two_loses_nothing(tmp_path: Path) -> None:
     full = run_distributed(train, 2, str(tmp_path / "full"), None, TP2, timeout=250)[0]
     run = str(tmp_path / "run")
-    # The killed rank takes the job down: it dies, or its peer sees the connection drop.
-    with pytest.raises(DistributedFailure, match=r"exit code -9|Connection (closed|reset) by peer"):
+    # The killed rank takes the job down (it dies, or its peer's collective fails): the job
+    # fails, it does not hang; whichever message the transport gives is not ours to assert.
+    with pytest.raises(DistributedFailure) as failure:
         run_distributed(train, 2, run, "optim_shards:kill@1", TP2, timeout=250)
+    assert "did not finish within" not in str(failure.value)
     assert [n for n in listing(run) if n.startswith("global_step_")] == [
         "global_step_2",
         f"global_step_{FAULT_STEP}?",
@@ -160,11 +162,19 @@ def test_write_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert layout.read_tracker(tmp_path / "ckpt") == 2
 
 
-def test_extra_state_error_on_one_rank_fails_the_save_everywhere(tmp_path: Path) -> None:
-    results = run_distributed(_catching, 2, str(tmp_path), "extra:EIO@1", timeout=250)
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [("extra:EIO@1", "Input/output error"), ("extra:unpicklable@1", "cannot pickle a generator")],
+    ids=["EIO", "not-an-OSError"],
+)
+def test_extra_state_error_on_one_rank_fails_the_save_everywhere(
+    tmp_path: Path, fault: str, cause: str
+) -> None:
+    results = run_distributed(_catching, 2, str(tmp_path), fault, timeout=250)
     for message in results:
-        assert "while writing extra/ (rank 1)" in message and "Input/output error" in message
+        assert "while writing extra/ (rank 1)" in message and cause in message
     assert layout.read_tracker(tmp_path / "ckpt") == 2
+    assert not layout.is_complete(layout.step_dir(tmp_path / "ckpt", FAULT_STEP))
 
 
 def _catching(rank: int, world_size: int, tmp: str, fault: str) -> str:

@@ -108,3 +108,30 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cb = MegatronCheckpoint("some/dir", every_n_train_steps=5, max_to_keep=2)
     assert cb.save_contents == ("model", "optimizer", "extra")
     assert cb.max_to_keep == 2 and cb.dirpath == str(tmp_path.resolve() / "some" / "dir")
+
+
+@pytest.mark.parametrize("contents", [["model"], ["model", "optimizer"], ["model", "extra"]])
+def test_a_resume_from_steps_that_cannot_resume_training_is_refused_before_any_work(
+    tmp_path: Path, contents: list[str]
+) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    trainer = pl.Trainer(
+        strategy=MegatronStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[MegatronCheckpoint(tmp_path / "ckpt", save_contents=contents)],
+    )
+    missing = [c for c in ("optimizer", "extra") if c not in contents]
+    with pytest.raises(
+        ValueError,
+        match=rf"resumes training, which needs {missing!r}".replace("[", r"\[").replace("]", r"\]"),
+    ):
+        trainer.fit(TinyGPTModule(), train_dataloaders=[], ckpt_path="last")
+    assert not (tmp_path / "ckpt").exists()

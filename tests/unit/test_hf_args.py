@@ -31,7 +31,7 @@ def test_hf_export_arguments_are_checked(qwen2: Path, tmp_path: Path) -> None:
     assert HFExport(qwen2).when == "end"
     with pytest.raises(ValueError, match=r"HFExport\(when='always'\): use one of"):
         HFExport(qwen2, when="always")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"HFExport\(dtype='bf16'\): pass a torch.dtype"):
+    with pytest.raises(ValueError, match=r"HFExport\(dtype=.bf16.\): pass one of torch.float32"):
         HFExport(qwen2, dtype="bf16")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match=r"hf_model_path=...\): '.*nope' does not exist"):
         HFExport(tmp_path / "nope")
@@ -121,3 +121,49 @@ def test_verify_reports_the_largest_difference(
     assert "largest |difference| 0.5 (model.norm.weight)" in out
     assert "FAILED" in out
     assert cli_main(["verify", str(changed), "--reference", str(qwen2), "--atol", "1"]) == 1
+
+
+@pytest.mark.parametrize("where", ["step", "run", "hf_model"])
+def test_export_never_replaces_what_it_reads(
+    qwen2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    step = tmp_path / "run" / "global_step_4"
+    (step / "model").mkdir(parents=True)
+    out = {"step": step, "run": tmp_path / "run", "hf_model": qwen2}[where]
+    argv = ["export", str(step), "--hf-model", str(qwen2), "--out", str(out), "--overwrite"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is the" in err and "would delete what is being read" in err
+    assert (step / "model").is_dir() and (qwen2 / "config.json").is_file()
+
+
+def test_import_never_replaces_the_model_it_reads(
+    qwen2: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["import", str(qwen2), "--out", str(qwen2.parent), "--overwrite"]
+    assert cli_main(argv) == 2
+    assert "would delete what is being read" in capsys.readouterr().err
+    assert (qwen2 / "config.json").is_file()
+
+
+@pytest.mark.parametrize("atol", ["-1", "nan", "inf"])
+def test_verify_refuses_a_tolerance_that_is_not_a_finite_number_at_least_0(
+    qwen2: Path, capsys: pytest.CaptureFixture[str], atol: str
+) -> None:
+    assert cli_main(["verify", str(qwen2), "--reference", str(qwen2), "--atol", atol]) == 2
+    assert f"atol={float(atol)!r} (--atol): pass a finite number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool])
+def test_hf_export_refuses_a_dtype_weights_cannot_have(qwen2: Path, dtype: torch.dtype) -> None:
+    from lightning_mcore_ckpt import HFExport
+
+    with pytest.raises(ValueError, match=rf"HFExport\(dtype={dtype}\): pass one of torch.float32"):
+        HFExport(qwen2, dtype=dtype)
+
+
+def test_strategy_timeout_must_be_a_timedelta() -> None:
+    from lightning_mcore_ckpt import MegatronStrategy
+
+    with pytest.raises(ValueError, match=r"timeout=60\): pass a positive datetime.timedelta"):
+        MegatronStrategy(timeout=60)  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from lightning_mcore_ckpt.callback._config import CheckpointConfig
 from lightning_mcore_ckpt.callback._setup import (
     acquire_lock,
     check_hf_export,
+    refuse_another_runs_steps,
     refuse_uploading_loggers,
 )
 from lightning_mcore_ckpt.callback._when import StepTriggers
@@ -102,6 +103,7 @@ class MegatronCheckpoint(StepTriggers):
         save_on_preemption: bool = True,
         save_on_train_epoch_end: bool | None = None,
         verbose: bool = False,
+        overwrite: bool = False,
     ) -> None:
         fields = CheckpointConfig.__dataclass_fields__
         config = CheckpointConfig(**{k: v for k, v in locals().items() if k in fields})
@@ -127,6 +129,7 @@ class MegatronCheckpoint(StepTriggers):
         self.restore_dataloader = restore_dataloader
         self.on_save_error = on_save_error
         self.save_on_preemption = save_on_preemption
+        self.overwrite = overwrite
         self.failed_saves = 0
         # The key of this callback's state in a checkpoint: the dirpath as given.
         self._key = str(Path(os.path.expanduser(str(dirpath))))
@@ -168,10 +171,12 @@ class MegatronCheckpoint(StepTriggers):
             warnings.filters[:] = self._filters  # type: ignore[index]
             self._filters = None
         self._lock = acquire_lock(trainer, self._root, stage)
+        self._resumed_step = None  # set by on_load_checkpoint when this fit resumes
         self._committer = Committer(
             self._root,
             is_global_zero=trainer.is_global_zero,
             save_contents=self.save_contents,
+            overwrite=self.overwrite,
             hf_export=self.hf_export,
             max_to_keep=self.max_to_keep,
             keep=lambda: _bookkeeping.kept_paths(self),
@@ -189,6 +194,12 @@ class MegatronCheckpoint(StepTriggers):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # starts the train_time_interval clock
+        # Known only now: whether a checkpoint was loaded (nothing has been written yet).
+        if self._resumed_step is None and self.overwrite:
+            assert self._committer is not None
+            self._committer.replace_run()
+        elif self._resumed_step is None:
+            refuse_another_runs_steps(trainer, self._root)
         if self._resumed_step is not None and self.restore_dataloader:
             _loops.refuse_unresumable_loader(trainer, str(self._root), self._resumed_step)
         if self.save_on_preemption:

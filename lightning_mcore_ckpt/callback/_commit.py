@@ -82,6 +82,7 @@ class Committer:
         root: the ``dirpath``.
         is_global_zero: whether this process commits (the others only track intents).
         save_contents: what each step holds (``MegatronCheckpoint(save_contents=...)``).
+        overwrite: a step that exists is replaced, not kept (see :meth:`replace_run`).
         hf_export: what to export, or ``None``.
         max_to_keep: keep the newest N complete steps on top of ``keep()``.
         keep: the steps Lightning's bookkeeping keeps (called on the training thread).
@@ -96,6 +97,7 @@ class Committer:
         is_global_zero: bool,
         save_contents: tuple[str, ...],
         hf_export: HFExport | None,
+        overwrite: bool = False,
         max_to_keep: int | None,
         keep: Callable[[], set[Path]],
         on_committed: Callable[[dict[str, Any]], None],
@@ -104,6 +106,7 @@ class Committer:
         self.root = root
         self.is_global_zero = is_global_zero
         self.save_contents = save_contents
+        self.overwrite = overwrite
         self.hf_export = hf_export
         self.max_to_keep = max_to_keep
         self._keep = keep
@@ -111,6 +114,7 @@ class Committer:
         self._on_failed = on_failed
         self._intents: dict[Path, Intent] = {}
         self._removals: list[tuple[int, Path]] = []
+        self._replaced: set[Path] = set()
         self._committed = -1
         self._retain_due = False
         self._executor: ThreadPoolExecutor | None = None
@@ -141,7 +145,11 @@ class Committer:
         started = time.perf_counter()
         decision = None
         if trainer.is_global_zero:
-            if layout.is_complete(target):
+            if layout.is_complete(target) and self.overwrite:
+                log.warning("replacing %s (overwrite=True)", target)
+                retention.remove_step(target)
+                self._replaced.discard(target)
+            elif layout.is_complete(target):
                 decision = "exists"
             elif target.exists() and not layout.is_ours(target):
                 decision = (
@@ -201,6 +209,12 @@ class Committer:
         if self.is_global_zero:
             self._removals.append((step, path))
 
+    def replace_run(self) -> None:
+        """A new run with ``overwrite``: the complete steps already in ``root`` (another run's)
+        are deleted once this run has committed its first step (rank 0)."""
+        if self.is_global_zero:
+            self._replaced = {s.path for s in layout.complete_steps(self.root)}
+
     def export_committed(self, target: Path) -> None:
         """Add the Hugging Face export to a step that is already committed (rank 0)."""
         self._submit(target, self._export_into_committed, target)
@@ -240,7 +254,10 @@ class Committer:
             (t, p) for t, p in self._removals if not (settled or t <= self._committed)
         ]
         self._retain_due = False
-        self._submit(self.root, self._retain, ready, self._keep())
+        replaced, self._replaced = (
+            (self._replaced, set()) if self._committed >= 0 else (set(), self._replaced)
+        )
+        self._submit(self.root, self._retain, ready, self._keep(), sorted(replaced))
 
     def close(self) -> None:
         if self._executor is not None:
@@ -291,9 +308,18 @@ class Committer:
         )
         return metadata
 
-    def _retain(self, removals: list[Path], keep: set[Path]) -> dict[str, Any]:
+    def _retain(
+        self,
+        removals: list[Path],
+        keep: set[Path],
+        replaced: list[Path] = (),  # type: ignore[assignment]
+    ) -> dict[str, Any]:
         # Scans the directory: nothing is kept only in memory. Never deletes the newest
         # committed step (also when it is the one this run resumed from).
+        for other in replaced:  # another run's steps, replaced by this one (overwrite=True)
+            if layout.is_complete(other) and layout.is_ours(other):
+                log.info("overwrite: removing %s of the replaced run", other)
+                retention.remove_step(other)
         complete = layout.complete_steps(self.root)
         if not complete:
             return {}

@@ -115,6 +115,11 @@ class CheckpointConfig:
     save_on_train_epoch_end: bool | None = None
     """As in Lightning: with ``every_n_epochs``, save at the end of the training epoch
     (``True``) or after validation (``False``); ``None`` decides as Lightning does."""
+    overwrite: bool = False
+    """A new run (``fit`` without ``ckpt_path``) into a ``dirpath`` that holds complete steps is
+    refused before any work. ``True`` replaces them: a step this run saves replaces the one of
+    the same number, and the other run's steps are deleted once this run's first step is
+    committed (so "last" is always this run's)."""
     root: Path = field(init=False)
     """``dirpath`` resolved: ``~`` expanded, absolute, symlinks resolved (as Lightning does)."""
 
@@ -135,7 +140,7 @@ class CheckpointConfig:
         self._check_one_cadence()
         self._check_contents()
         self._check_ranking()
-        for name in ("save_last", "restore_dataloader", "save_on_preemption"):
+        for name in ("save_last", "restore_dataloader", "save_on_preemption", "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 hint = (

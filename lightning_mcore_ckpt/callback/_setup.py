@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import metrics
+from lightning_mcore_ckpt import layout, metrics
 from lightning_mcore_ckpt._lock import DirectoryLock
 
 if TYPE_CHECKING:
@@ -14,7 +14,12 @@ if TYPE_CHECKING:
 
     from lightning_mcore_ckpt.hf import HFExport
 
-__all__ = ["acquire_lock", "check_hf_export", "refuse_uploading_loggers"]
+__all__ = [
+    "acquire_lock",
+    "check_hf_export",
+    "refuse_another_runs_steps",
+    "refuse_uploading_loggers",
+]
 
 
 def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock | None:
@@ -36,6 +41,29 @@ def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock |
     if problem is not None:
         raise RuntimeError(f"MegatronCheckpoint(dirpath={str(root)!r}): {problem}")
     return lock
+
+
+def refuse_another_runs_steps(trainer: pl.Trainer, root: Path) -> None:
+    """A ``fit`` that starts from scratch (no checkpoint was loaded) in a directory holding
+    complete steps. Collective: rank 0 looks, every rank raises the same ``ValueError``."""
+    problem = None
+    if trainer.is_global_zero:
+        steps = layout.complete_steps(root)
+        problem = _another_run(root, steps[-1].path.name) if steps else None
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _another_run(root: Path, newest: str) -> str:
+    return (
+        f"MegatronCheckpoint(dirpath={str(root)!r}): "
+        f"it holds complete steps of another run (newest: {newest}), and this "
+        'fit starts from scratch (no ckpt_path): its saves would mix with them and "last" '
+        'could serve theirs. Resume that run with trainer.fit(..., ckpt_path="last"), choose '
+        "a new dirpath, or pass MegatronCheckpoint(overwrite=True) to replace them (they are "
+        "deleted once this run's first step is committed)"
+    )
 
 
 def refuse_uploading_loggers(loggers: Iterable[Any], dirpath: str) -> None:

@@ -126,4 +126,8 @@ def test_a_step_written_by_the_newer_version_is_refused_by_the_older_naming_both
         in done.stderr
     ), done.stderr[-4000:]
     assert "Load it with megatron-core >= 0.17" in done.stderr
-    assert sorted(p.relative_to(written) for p in written.rglob("*")) == before
+    # Nothing written: no step, marker or tracker. The run's lock may be left when Lightning's
+    # launcher kills rank 0 (its peer failed first) before it releases it; the next run
+    # recovers a dead owner's lock (tests/faults/test_damage_lock_input.py).
+    after = sorted(p.relative_to(written) for p in written.rglob("*"))
+    assert [p for p in after if p.name != layout.LOCK_FILE] == before

@@ -50,19 +50,33 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """fsync every file under ``path``, then every directory, deepest first."""
+def fsync_tree(path: str | os.PathLike[str]) -> dict[str, int]:
+    """Make everything under ``path`` durable: every file, then every directory, deepest first.
+
+    Symbolic links are neither followed nor synced. Returns the size in bytes of each file, by
+    its path relative to ``path`` (``/``-separated), as it was when synced.
+
+    Example::
+
+        sizes = fsync_tree("checkpoints/run/global_step_100")  # {"model/.metadata": 1234, ...}
+    """
     root = Path(path)
     directories: list[Path] = []
+    sizes: dict[str, int] = {}
     for current, dirs, files in os.walk(root):
         here = Path(current)
         directories.append(here)
-        for name in files:
-            with open(here / name, "rb") as f:
-                os.fsync(f.fileno())
         dirs.sort()
+        for name in sorted(files):
+            file = here / name
+            if file.is_symlink():
+                continue
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+                sizes[file.relative_to(root).as_posix()] = os.fstat(f.fileno()).st_size
     for directory in reversed(directories):
         fsync_dir(directory)
+    return sizes
 
 
 def write_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:

@@ -18,19 +18,23 @@ from any one rank.
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
 import re
-import socket
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lightning_mcore_ckpt import _atomic
 from lightning_mcore_ckpt._lock import LOCK_FILE, DirectoryLock
+from lightning_mcore_ckpt._markers import (
+    METADATA_FILE,
+    STARTED_MARKER,
+    is_managed,
+    is_ours,
+    mark_step_started,
+    read_metadata,
+)
 
 __all__ = [
     "EXTRA_DIR",
@@ -49,6 +53,7 @@ __all__ = [
     "complete_steps",
     "incomplete_steps",
     "is_complete",
+    "is_managed",
     "is_ours",
     "mark_step_started",
     "read_metadata",
@@ -63,9 +68,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-STARTED_MARKER = ".lightning_mcore_ckpt"
 METADATA_FORMAT_VERSION = 1
 MODEL_DIR = "model"
 """Sub-directory of a step with the model's dist-checkpoint."""
@@ -104,21 +107,6 @@ def step_number(path: str | os.PathLike[str]) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """A step's ``metadata.json`` as a dict, or ``None`` when missing or unreadable.
-
-    Example::
-
-        read_metadata("checkpoints/run/global_step_100")["total_time_s"]
-    """
-    try:
-        with open(Path(path) / METADATA_FILE, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def check_format(path: str | os.PathLike[str]) -> None:
     """Refuse a step written in a newer format than this version of the package reads.
 
@@ -147,36 +135,15 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     return read_metadata(path) is not None
 
 
-def mark_step_started(path: str | os.PathLike[str]) -> None:
-    """Create a step directory with this package's start marker (before anything is written)."""
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True)
-    _atomic.write_json(
-        p / STARTED_MARKER,
-        {
-            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        },
-    )
-
-
-def is_ours(path: str | os.PathLike[str]) -> bool:
-    """Whether this package wrote a step directory (start marker, or its commit marker)."""
-    p = Path(path)
-    if (p / STARTED_MARKER).is_file():
-        return True
-    meta = read_metadata(p)
-    return meta is not None and "format_version" in meta and "global_step" in meta
-
-
 def _step_dirs(dirpath: Path) -> list[StepDir]:
+    # Links are never followed: a linked step is not this run's (and deleting through the link
+    # would delete outside the run directory).
     if not dirpath.is_dir():
         return []
     out = []
     for entry in dirpath.iterdir():
         match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir():
+        if match and entry.is_dir() and not entry.is_symlink():
             out.append(StepDir(int(match.group(1)), entry))
     return sorted(out)
 
@@ -230,6 +197,8 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     problems = []
+    if not (directory / "metadata.json").is_file():  # Megatron-Core's: how to read the rest
+        problems.append(f"{directory / 'metadata.json'} is missing")
     for name, size in sorted(needed.items()):
         shard = directory / name
         if not shard.is_file():
@@ -242,9 +211,12 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
 def verify_step(path: str | os.PathLike[str]) -> list[str]:
     """What is wrong with a step directory: missing or truncated files ([] when it is whole).
 
-    Checks, without loading tensors: the commit marker; each dist-checkpoint's index and that
-    every shard file it names exists with all the bytes it references; one readable
-    ``extra/rank_<r>.pt`` per rank of the saving run.
+    Checks, without loading tensors: the commit marker; every file its ``files`` list names
+    (each file of the step and its size at the commit: the shards, each dist-checkpoint's
+    ``.metadata``, ``metadata.json`` and ``common.pt``, ``extra/``, the Hugging Face export);
+    each dist-checkpoint's index and that every shard file it names exists with all the bytes it
+    references; one readable ``extra/rank_<r>.pt`` per rank of the saving run. Steps committed
+    before the file list was recorded get every check but the list's.
 
     Example::
 
@@ -257,9 +229,18 @@ def verify_step(path: str | os.PathLike[str]) -> list[str]:
         return [f"{p / METADATA_FILE} is missing or not valid JSON"]
     contents = meta.get("contents", ["model"])
     problems = []
+    files = meta.get("files")
+    for name, size in sorted(files.items()) if isinstance(files, dict) else ():
+        file = p / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{file} is truncated ({file.stat().st_size} of {size} bytes)")
+        elif file.stat().st_size > size:
+            problems.append(f"{file} has {file.stat().st_size} bytes, {size} when committed")
     for sub, wanted in ((MODEL_DIR, "model"), (OPTIM_DIR, "optimizer")):
         if wanted in contents:
-            problems += _verify_dist_checkpoint(p / sub)
+            problems += [q for q in _verify_dist_checkpoint(p / sub) if q not in problems]
     if "extra" in contents:
         ranks = sorted((p / EXTRA_DIR).glob("rank_*.pt"))
         world = (meta.get("parallel_layout") or {}).get("world_size")
@@ -358,6 +339,13 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             )
         return p
     newest = resolve_last(p)
+    complete = complete_steps(p)
+    if newest is None and complete:
+        damage = "\n  ".join(f"{s.path.name}: {verify_step(s.path)[0]}" for s in complete[-10:])
+        raise FileNotFoundError(
+            f"every complete step under {p} is damaged:\n  {damage}\nrestore the files from a "
+            "copy, or start a new run in a new dirpath"
+        )
     if newest is None:
         incomplete = [s.path.name for s in incomplete_steps(p)]
         extra = f" (incomplete, ignored: {', '.join(incomplete)})" if incomplete else ""

@@ -54,13 +54,37 @@ DAMAGE = {
     "missing-index": (lambda s: (s / "model" / ".metadata").unlink(), ".metadata is missing"),
     "missing-rank-file": (
         lambda s: (s / "extra" / "rank_00000.pt").unlink(),
-        "has 0 rank files, the save had 1",
+        "rank_00000.pt is missing",
     ),
     "truncated-rank-file": (
         lambda s: os.truncate(s / "extra" / "rank_00000.pt", 100),
+        "rank_00000.pt is truncated (100 of",
+    ),
+    "missing-mcore-config": (
+        lambda s: (s / "optim" / "metadata.json").unlink(),
+        "optim/metadata.json is missing",
+    ),
+    # Steps committed before their files were listed get the other checks.
+    "unlisted-missing-rank-file": (
+        lambda s: (_unlisted(s), (s / "extra" / "rank_00000.pt").unlink()),
+        "has 0 rank files, the save had 1",
+    ),
+    "unlisted-truncated-rank-file": (
+        lambda s: (_unlisted(s), os.truncate(s / "extra" / "rank_00000.pt", 100)),
         "rank_00000.pt is truncated or damaged",
     ),
+    "unlisted-missing-mcore-config": (
+        lambda s: (_unlisted(s), (s / "model" / "metadata.json").unlink()),
+        "model/metadata.json is missing",
+    ),
 }
+
+
+def _unlisted(step: Path) -> None:
+    meta = layout.read_metadata(step)
+    assert meta is not None and "files" in meta
+    del meta["files"]
+    (step / layout.METADATA_FILE).write_text(json.dumps(meta))
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))

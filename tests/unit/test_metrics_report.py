@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ def _step(root: Path, step: int, **figures: Any) -> Path:
     path = layout.step_dir(root, step)
     for sub in ("model", "optim"):  # small but real dist-checkpoints, so the steps verify
         dcp.save({"w": torch.zeros(256)}, checkpoint_id=str(path / sub), no_dist=True)
+        config = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+        (path / sub / "metadata.json").write_text(config)  # as Megatron-Core writes it
     meta = {
         "global_step": step,
         "saved_at": "2026-11-22T10:00:00+00:00",
@@ -202,7 +204,8 @@ def test_report_runs_as_the_installed_command(run_dir: Path) -> None:
 
 def test_a_failed_background_commit_is_raised_on_the_training_thread(tmp_path: Path) -> None:
     from lightning_mcore_ckpt.callback._commit import Committer
-    from lightning_mcore_ckpt.strategy import CheckpointSaveError
+    from lightning_mcore_ckpt.callback._intent import Intent
+    from lightning_mcore_ckpt.strategy import CheckpointSaveError, SaveRecord
 
     reported: list[tuple[Path, BaseException]] = []
     committer = Committer(
@@ -215,14 +218,28 @@ def test_a_failed_background_commit_is_raised_on_the_training_thread(tmp_path: P
         on_committed=lambda metadata: None,
         on_failed=lambda path, error: reported.append((path, error)),
     )
-    failed: Future[dict[str, Any]] = Future()
-    failed.set_exception(OSError(28, "No space left on device"))
+    # The commit of a step directory that is gone fails on the commit thread.
     target = layout.step_dir(tmp_path, 7)
-    committer._commits.append((target, failed))
+    record = SaveRecord(
+        path=target,
+        contents=("model",),
+        asynchronous=True,
+        writer="mcore",
+        parallel_layout={},
+        blocking_time_s=0.1,
+        write_time_s=0.2,
+        total_time_s=0.3,
+        finalized_at=time.perf_counter(),
+    )
+    committer._intents[target] = Intent(
+        step=7, epoch=0, contents=("model",), monitor=None, export=False
+    )
+    committer.saved(record)
     committer.process(wait=True)
     ((path, error),) = reported
     assert path == target and isinstance(error, CheckpointSaveError)
-    assert re.search(r"committing .*global_step_7 failed: .*space", str(error))
+    assert re.search(r"committing .*global_step_7 failed: .*No such file", str(error))
+    assert not layout.is_complete(target) and layout.read_tracker(tmp_path) is None
 
 
 def test_ls_lists_contents_and_exports(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,92 @@
+"""The commit of a written step: everything in it made durable, then its commit marker.
+
+A power cut at any point leaves either no ``metadata.json`` (the step is incomplete: ``"last"``
+never names it) or a step whose every file and directory entry survived: each file is fsynced,
+then each directory (deepest first, then the step's own entry in the run directory), and only
+then is ``metadata.json`` written (durably and atomically), listing every file and its size so
+that a later check (:func:`lightning_mcore_ckpt.layout.verify_step`) finds any that went
+missing or short.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_ckpt import _atomic, _compat, layout, metrics
+from lightning_mcore_ckpt.engine._collectives import agree_on_failure, distributed
+from lightning_mcore_ckpt.engine._records import CheckpointSaveError, SaveRecord
+from lightning_mcore_ckpt.layout import METADATA_FILE
+
+__all__ = ["commit_step", "commit_unowned"]
+
+
+def commit_step(
+    path: str | Path, metadata: dict[str, Any], *, started: float | None = None
+) -> dict[str, Any]:
+    """Make the step at ``path`` durable, then write its ``metadata.json`` (the commit).
+
+    ``metadata`` gets ``files`` (every file's size, by path relative to the step),
+    ``size_bytes``, ``throughput_gbps`` and, when ``started`` (a ``time.perf_counter()`` value)
+    is given, ``total_time_s``. Returns the metadata as written. Call it on one rank, off the
+    training thread: it walks and fsyncs the whole step.
+
+    Example::
+
+        commit_step("checkpoints/run/global_step_100", {"format_version": 1, "global_step": 100})
+    """
+    step = Path(path)
+    sizes = _atomic.fsync_tree(step)
+    sizes.pop(METADATA_FILE, None)  # a previous commit's, replaced below (an export added)
+    _atomic.fsync_dir(step.parent)  # the step's own entry in the run directory
+    filled = dict(metadata)
+    filled["files"] = dict(sorted(sizes.items()))
+    if started is not None:
+        filled["total_time_s"] = time.perf_counter() - started
+    text, filled = metrics.encode_metadata(filled, sum(sizes.values()))
+    _atomic.write_text(step / METADATA_FILE, text)
+    return filled
+
+
+def commit_unowned(
+    record: SaveRecord, step: Any, epoch: Any, device: torch.device
+) -> CheckpointSaveError | None:
+    """Collective: rank 0 commits a step no listener commits (a save made by hand, e.g.
+    ``trainer.save_checkpoint(path)``); every rank learns how it went."""
+    error: BaseException | None = None
+    rank = dist.get_rank() if distributed() else 0
+    if rank == 0:
+        try:
+            commit_step(
+                record.path,
+                {
+                    "format_version": layout.METADATA_FORMAT_VERSION,
+                    "global_step": step,
+                    "epoch": epoch,
+                    "contents": list(record.contents),
+                    "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "host": socket.gethostname(),
+                    "versions": _compat.versions(),
+                    "writer": record.writer,
+                    "async": record.asynchronous,
+                    "parallel_layout": record.parallel_layout,
+                    "blocking_time_s": record.blocking_time_s,
+                    "write_time_s": record.write_time_s,
+                    "manual": True,
+                },
+            )
+        except Exception as err:  # noqa: BLE001 - shared, then raised on every rank
+            error = err
+    if distributed():
+        return agree_on_failure(error, record.path, "committing", rank, device)
+    if error is None:
+        return None
+    failure = CheckpointSaveError(f"committing {record.path} failed: {error}")
+    failure.__cause__ = error
+    return failure

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from importlib import metadata
@@ -132,6 +133,32 @@ def async_classes() -> tuple[type, type]:
     )
 
     return AsyncCallsQueue, AsyncRequest
+
+
+def drain_write_results() -> int:
+    """Empty the writers' process-wide results queues; how many stale results were dropped.
+
+    Megatron-Core's writers (built-in and NVRx) report each dist-checkpoint's write results
+    through one queue per process, and each finaliser takes the next item. A save that failed
+    before its finalisers ran leaves its items there: the next save's finalisers would take
+    them, and its ``.metadata`` would index another save's bytes. Called before every save,
+    when nothing is in flight.
+    """
+    import queue as queue_module
+
+    dropped = 0
+    modules = ["megatron.core.dist_checkpointing.strategies.filesystem_async"]
+    modules.append("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
+    for name in modules:
+        module = sys.modules.get(name)  # a writer never imported has nothing queued
+        results = getattr(module, "_results_queue", None)
+        while results is not None:
+            try:
+                results.get_nowait()
+            except queue_module.Empty:
+                break
+            dropped += 1
+    return dropped
 
 
 class _ErrorKeepingQueue:

@@ -1,7 +1,8 @@
-"""The commit of a step: once its save is durable on every rank, rank 0 writes
-``metadata.json`` (the commit marker), points the tracker at it and applies retention, in order,
-on one background thread; the figures and the loggers' notification follow on the training
-thread.
+"""The commit of a step: once its save is written on every rank, rank 0 makes it durable, writes
+``metadata.json`` (the commit marker), points the tracker at it, then exports it to Hugging Face
+format when asked and applies retention, in order, on one background thread. How each commit
+ended is shared with every rank on the training thread, so that all raise the same error (or
+none); the figures and the loggers' notification follow there.
 
 The :class:`Committer` is the strategy's :class:`~lightning_mcore_ckpt.strategy.SaveListener`
 for the steps of one ``dirpath``: it is registered once, told each step's intent before the
@@ -10,69 +11,25 @@ save, and hears from the strategy on every rank when the save is durable or has 
 
 from __future__ import annotations
 
-import datetime
 import logging
-import math
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import _atomic, _compat, layout, metrics, retention
-from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
+from lightning_mcore_ckpt import layout, retention
+from lightning_mcore_ckpt.callback._intent import Intent, step_metadata
+from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord, commit_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_mcore_ckpt.hf import HFExport
 
-__all__ = ["Committer", "Intent"]
+__all__ = ["Committer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Intent:
-    """What the callback asked of one step's save (the same on every rank)."""
-
-    step: int
-    epoch: int
-    contents: tuple[str, ...]
-    """What the step will hold, ``"hf_model"`` included when it is exported."""
-    monitor: dict[str, Any] | None
-    """``{"name", "value"}`` of the value Lightning ranked the step by, or ``None``."""
-    export: bool
-
-
-def step_metadata(intent: Intent, record: SaveRecord) -> dict[str, Any]:
-    """A step's ``metadata.json`` fields (its size and throughput are added at the commit)."""
-    return {
-        "format_version": layout.METADATA_FORMAT_VERSION,
-        "global_step": intent.step,
-        "epoch": intent.epoch,
-        "contents": list(intent.contents),
-        "monitor": intent.monitor,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "host": socket.gethostname(),
-        "versions": _compat.versions(),
-        "writer": record.writer,
-        "async": record.asynchronous,
-        "parallel_layout": record.parallel_layout,
-        "blocking_time_s": record.blocking_time_s,
-        "write_time_s": record.write_time_s,
-        "hf_export_time_s": None,
-    }
-
-
-def monitor_entry(name: str | None, value: Any) -> dict[str, Any] | None:
-    """The ``monitor`` field of a step's metadata (``None`` when there is no value)."""
-    if name is None or value is None:
-        return None
-    number = float(value.item() if hasattr(value, "item") else value)
-    return {"name": name, "value": number if math.isfinite(number) else None}
 
 
 class Committer:
@@ -87,7 +44,7 @@ class Committer:
         max_to_keep: keep the newest N complete steps on top of ``keep()``.
         keep: the steps Lightning's bookkeeping keeps (called on the training thread).
         on_committed: training thread, rank 0: a step was committed (its metadata).
-        on_failed: every rank: a save or its commit failed.
+        on_failed: every rank: a save, its commit or its export failed.
     """
 
     def __init__(
@@ -118,7 +75,11 @@ class Committer:
         self._committed = -1
         self._retain_due = False
         self._executor: ThreadPoolExecutor | None = None
-        self._commits: list[tuple[Path, Future[dict[str, Any]]]] = []
+        # Rank 0: the background jobs, in order; whether every rank waits for the outcome.
+        self._commits: list[tuple[Path, Future[dict[str, Any]], bool]] = []
+        # Every rank: the commits and exports whose outcome is not known yet (the same list).
+        self._awaiting: list[Path] = []
+        self._group: Any = None
 
     # --- writing a step (every rank) -------------------------------------------------------
 
@@ -130,6 +91,7 @@ class Committer:
         monitor: dict[str, Any] | None,
         synchronous: bool,
         export: bool,
+        preempted: bool = False,
     ) -> None:
         """Write one step through the strategy. Collective: every rank, in the same order.
 
@@ -138,6 +100,8 @@ class Committer:
            save, an incomplete one of ours (a crashed save) is removed; every rank learns it;
         3) the strategy writes the step; its outcome comes back to :meth:`saved` or
            :meth:`failed`, on every rank.
+
+        A preemption save (``preempted``) is never exported: the job has seconds left.
         """
         strategy = trainer.strategy
         strategy.finalize_pending_save(blocking=True)  # type: ignore[attr-defined]
@@ -145,16 +109,18 @@ class Committer:
         started = time.perf_counter()
         decision = None
         if trainer.is_global_zero:
-            if layout.is_complete(target) and self.overwrite:
+            managed = layout.is_managed(target)
+            if layout.is_complete(target) and self.overwrite and managed:
                 log.warning("replacing %s (overwrite=True)", target)
                 retention.remove_step(target)
                 self._replaced.discard(target)
             elif layout.is_complete(target):
                 decision = "exists"
-            elif target.exists() and not layout.is_ours(target):
+            elif target.exists() and not managed:
                 decision = (
-                    f"{target} exists but was not written by lightning-mcore-ckpt; move it out "
-                    f"of {self.root} (it is never deleted)"
+                    f"{target} exists but was not written by a MegatronCheckpoint run (a link, "
+                    f"a save by hand or another program's files); move it out of {self.root} "
+                    "(it is never deleted)"
                 )
             elif target.exists():
                 log.warning("removing incomplete %s before saving it again", target)
@@ -166,14 +132,16 @@ class Committer:
         if decision is not None:
             self._on_failed(target, CheckpointSaveError(decision))
             return
-        export = self.hf_export is not None and (
-            export or "hf_model" in self.save_contents or self.hf_export.when == "every_save"
+        export = (
+            self.hf_export is not None
+            and not preempted
+            and (export or "hf_model" in self.save_contents or self.hf_export.when == "every_save")
         )
         contents = tuple(c for c in self.save_contents if c != "hf_model")
         self._intents[target] = Intent(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
-            contents=(*contents, "hf_model") if export else contents,
+            contents=contents,
             monitor=monitor,
             export=export,
         )
@@ -187,12 +155,16 @@ class Committer:
 
     def saved(self, record: SaveRecord) -> None:
         intent = self._intents.pop(record.path)
-        if not self.is_global_zero:
-            return
-        # Total time: until durable on every rank, then until committed here.
-        started = record.finalized_at - record.total_time_s
-        metadata = step_metadata(intent, record)
-        self._submit(record.path, self._commit, record.path, metadata, started, intent.export)
+        # The commit first, then the export: a failed export never costs the step.
+        jobs: list[tuple[Any, ...]] = [
+            (self._commit, record.path, step_metadata(intent, record), record)
+        ]
+        if intent.export:
+            jobs.append((self._export_into_committed, record.path))
+        for fn, *args in jobs:
+            self._awaiting.append(record.path)
+            if self.is_global_zero:
+                self._submit(record.path, fn, *args)
 
     def failed(self, path: Path, error: CheckpointSaveError) -> None:
         intent = self._intents.pop(Path(path), None)
@@ -216,32 +188,85 @@ class Committer:
             self._replaced = {s.path for s in layout.complete_steps(self.root)}
 
     def export_committed(self, target: Path) -> None:
-        """Add the Hugging Face export to a step that is already committed (rank 0)."""
-        self._submit(target, self._export_into_committed, target)
+        """Add the Hugging Face export to a step that is already committed. Every rank calls
+        it (rank 0 exports; every rank learns the outcome from :meth:`process`)."""
+        self._awaiting.append(target)
+        if self.is_global_zero:
+            self._submit(target, self._export_into_committed, target)
 
-    def process(self, wait: bool) -> None:
-        """Report the commits that finished, in order (training thread; rank 0 has them).
+    def process(self, wait: bool, *, collective: bool = True) -> None:
+        """Report the commits and exports that finished, in order, on every rank.
 
-        With ``wait=True``, wait for every commit in flight first. A commit that failed is
-        reported to ``on_failed`` as :class:`CheckpointSaveError`.
+        Collective while any is awaited (every rank calls it at the same point): rank 0, which
+        runs them, shares their outcomes, so that a failure raises the same
+        :class:`CheckpointSaveError` on every rank (through ``on_failed``) instead of on rank 0
+        alone. With ``wait=True``, wait for every one in flight first. ``collective=False``
+        (after an error, when the other ranks may be gone): rank 0 waits and logs, raising
+        nothing.
         """
+        if not collective:
+            self._drain()
+            return
         while True:
-            while self._commits and (wait or self._commits[0][1].done()):
-                target, future = self._commits.pop(0)
-                try:
-                    metadata = future.result()
-                except Exception as err:  # noqa: BLE001 - reported through on_failed
-                    failure = CheckpointSaveError(f"committing {target} failed: {err}")
-                    failure.__cause__ = err
-                    self._on_failed(target, failure)
-                    continue
-                if metadata:
+            outcomes = self._finished(wait) if self.is_global_zero else []
+            if self._awaiting:
+                outcomes = self._share(outcomes)
+            for target, metadata, error in outcomes:
+                self._awaiting.remove(Path(target))
+                if error is not None:
+                    self._on_failed(Path(target), CheckpointSaveError(error))
+                elif metadata:
                     self._committed = max(self._committed, metadata["global_step"])
                     self._retain_due = True
-                    self._on_committed(metadata)
+                    if self.is_global_zero:
+                        self._on_committed(metadata)
             self._schedule_retention(settled=wait and not self._intents)
             if not (wait and self._commits):
                 return
+
+    def _finished(self, wait: bool) -> list[tuple[str, dict[str, Any] | None, str | None]]:
+        # Rank 0: the outcomes of the awaited jobs that finished (all, with wait), in order.
+        outcomes: list[tuple[str, dict[str, Any] | None, str | None]] = []
+        while self._commits and (wait or self._commits[0][1].done()):
+            target, future, awaited = self._commits.pop(0)
+            try:
+                metadata, error = future.result(), None
+            except Exception as err:  # noqa: BLE001 - shared, then raised on every rank
+                metadata, error = None, str(err)
+            if awaited:
+                outcomes.append((str(target), metadata, error))
+        return outcomes
+
+    def _share(self, outcomes: list[Any]) -> list[Any]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return outcomes
+        if self._group is None:
+            # Over a CPU (gloo) group: on the GPU it would synchronise the device at every step
+            # that a commit is in flight. Created at the same call on every rank.
+            cpu = dist.get_backend() == "gloo"
+            self._group = dist.group.WORLD if cpu else dist.new_group(backend="gloo")
+        box = [outcomes]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return list(box[0])
+
+    def _drain(self) -> None:
+        # After an error: what finished is logged, nothing is raised (the run's error is the
+        # one that propagates), nothing new is deleted.
+        self._awaiting.clear()
+        while self._commits:
+            target, future, _ = self._commits.pop(0)
+            try:
+                metadata = future.result()
+            except Exception as err:  # noqa: BLE001 - logged: the original exception propagates
+                log.error("%s: %s (while the run was failing)", target, err)
+                continue
+            if metadata:
+                try:
+                    self._on_committed(metadata)
+                except Exception as err:  # noqa: BLE001
+                    log.error("reporting the commit of %s: %s", target, err)
 
     def _schedule_retention(self, settled: bool) -> None:
         # Retention follows the commits, with the bookkeeping of this moment on the training
@@ -257,7 +282,7 @@ class Committer:
         replaced, self._replaced = (
             (self._replaced, set()) if self._committed >= 0 else (set(), self._replaced)
         )
-        self._submit(self.root, self._retain, ready, self._keep(), sorted(replaced))
+        self._submit(self.root, self._retain, ready, self._keep(), sorted(replaced), awaited=False)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -266,10 +291,12 @@ class Committer:
 
     # --- the background thread (rank 0) -----------------------------------------------------
 
-    def _submit(self, target: Path, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
+    def _submit(
+        self, target: Path, fn: Callable[..., dict[str, Any]], *args: Any, awaited: bool = True
+    ) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
-        self._commits.append((target, self._executor.submit(fn, *args)))
+        self._commits.append((target, self._executor.submit(fn, *args), awaited))
 
     def _export(self, target: Path) -> float:
         from lightning_mcore_ckpt import hf
@@ -288,17 +315,15 @@ class Committer:
         )
         return time.perf_counter() - start
 
-    def _commit(
-        self, target: Path, metadata: dict[str, Any], started: float, export: bool
-    ) -> dict[str, Any]:
-        # Export, measure, then write metadata.json (the commit) and the tracker.
-        if export:
-            metadata["hf_export_time_s"] = self._export(target)
-        data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
-        metadata["total_time_s"] = time.perf_counter() - started
-        text, metadata = metrics.encode_metadata(metadata, data_bytes)
-        _atomic.write_text(target / layout.METADATA_FILE, text)
-        layout.write_tracker(self.root, metadata["global_step"])
+    def _commit(self, target: Path, metadata: dict[str, Any], record: SaveRecord) -> dict[str, Any]:
+        # Every file and directory of the step durable, then metadata.json (the commit), then
+        # the tracker: a power cut never leaves "last" naming a step with a file missing.
+        started = record.finalized_at - record.total_time_s  # the first rank's start
+        try:
+            metadata = commit_step(target, metadata, started=started)
+            layout.write_tracker(self.root, metadata["global_step"])
+        except Exception as err:
+            raise RuntimeError(f"committing {target} failed: {err}") from err
         log.info(
             "committed %s: %.3f GB, blocked training %.3fs, %.3fs in all",
             target,
@@ -317,17 +342,18 @@ class Committer:
         # Scans the directory: nothing is kept only in memory. Never deletes the newest
         # committed step (also when it is the one this run resumed from).
         for other in replaced:  # another run's steps, replaced by this one (overwrite=True)
-            if layout.is_complete(other) and layout.is_ours(other):
+            if layout.is_complete(other) and layout.is_managed(other):
                 log.info("overwrite: removing %s of the replaced run", other)
                 retention.remove_step(other)
-        complete = layout.complete_steps(self.root)
+        # Only what this package's runs wrote: never a link, a save made by hand or a user's file.
+        complete = [s for s in layout.complete_steps(self.root) if layout.is_managed(s.path)]
         if not complete:
             return {}
         newest = complete[-1].step
         protect = {newest}
         try:
             for stale in layout.incomplete_steps(self.root):
-                if stale.step < newest and layout.is_ours(stale.path):
+                if stale.step < newest and layout.is_managed(stale.path):
                     log.info("removing incomplete %s (a newer step is committed)", stale.path)
                     retention.remove_step(stale.path)
             doomed = retention.retention_plan(
@@ -336,25 +362,36 @@ class Committer:
             for old in doomed:
                 log.info("retention: removing %s", old.path)
                 retention.remove_step(old.path)
-        except Exception as err:
-            raise RuntimeError(
-                f"{complete[-1].path} is committed, but retention failed: {err}"
-            ) from err
+        except Exception as err:  # noqa: BLE001 - a step is committed: losing none, go on
+            log.error(
+                "%s is committed, but retention failed: %s; training goes on, and the next "
+                "commit tries again (free space or fix permissions in %s)",
+                complete[-1].path,
+                err,
+                self.root,
+            )
         return {}
 
     def _export_into_committed(self, target: Path) -> dict[str, Any]:
         # A committed step stays complete throughout: huggingface/ appears by rename, then the
-        # metadata is replaced atomically with the export's figures.
-        seconds = self._export(target)
-        metadata = layout.read_metadata(target) or {}
-        metadata["hf_export_time_s"] = seconds
-        contents = list(metadata.get("contents") or [])
-        if "hf_model" not in contents:
-            contents.append("hf_model")
-        metadata["contents"] = contents
-        data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
-        text, metadata = metrics.encode_metadata(metadata, data_bytes)
-        _atomic.write_text(target / layout.METADATA_FILE, text)
+        # metadata is replaced atomically with the export's figures and the new files.
+        metadata = layout.read_metadata(target)
+        if metadata is None:  # its commit failed (reported already): nothing to export
+            return {}
+        try:
+            seconds = self._export(target)
+            metadata["hf_export_time_s"] = seconds
+            contents = list(metadata.get("contents") or [])
+            if "hf_model" not in contents:
+                contents.append("hf_model")
+            metadata["contents"] = contents
+            commit_step(target, metadata)
+        except Exception as err:
+            raise RuntimeError(
+                f"the Hugging Face export of {target} failed (the step itself is committed and "
+                f"intact; export it again with `lightning-mcore-ckpt export`): "
+                f"{type(err).__name__}: {err}"
+            ) from err
         log.info("exported %s/%s in %.1fs", target, layout.HF_DIR, seconds)
         # Only the export's figure: the save's own were logged at its commit.
         return {"global_step": metadata["global_step"], "hf_export_time_s": seconds}

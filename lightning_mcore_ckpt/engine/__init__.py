@@ -9,6 +9,7 @@ delegates its ``save_checkpoint``, ``load_checkpoint`` and ``remove_checkpoint``
 
 from __future__ import annotations
 
+from lightning_mcore_ckpt.engine._durable import commit_step
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
     CONTENTS,
@@ -35,6 +36,7 @@ __all__ = [
     "SaveOptions",
     "SaveRecord",
     "TrainingState",
+    "commit_step",
     "holds_weights_only",
     "optimizer_sharded_state_dict",
     "stateless_params",

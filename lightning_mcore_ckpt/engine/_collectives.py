@@ -29,7 +29,12 @@ def broadcast(obj: Any) -> Any:
 
 
 def agree_on_failure(
-    error: BaseException | None, path: Path, phase: str, rank: int, device: torch.device
+    error: BaseException | None,
+    path: Path,
+    phase: str,
+    rank: int,
+    device: torch.device,
+    headline: str | None = None,
 ) -> CheckpointSaveError | None:
     """Collective: every rank learns whether any rank failed, so none waits for it.
 
@@ -44,9 +49,8 @@ def agree_on_failure(
         return None
     why = [describe_error(error) if error is not None else ""]
     dist.broadcast_object_list(why, src=failed_rank)
-    failure = CheckpointSaveError(
-        f"checkpoint save to {path} failed while {phase} (rank {failed_rank}): {why[0]}"
-    )
+    headline = headline or f"checkpoint save to {path} failed while {phase}"
+    failure = CheckpointSaveError(f"{headline} (rank {failed_rank}): {why[0]}")
     failure.__cause__ = error
     return failure
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ import torch
 from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine._records import SaveOptions
 
-__all__ = ["PendingSave", "combine_async_requests", "run_in_order"]
+__all__ = ["PendingSave", "combine_async_requests", "run_in_order", "stop_writers"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +32,8 @@ class PendingSave:
     """Shared memory the background writer stores its write duration in."""
     device: torch.device
     """Where the finalising collectives place their tensors."""
+    kept: list[BaseException]
+    """Rank 0's finalisation errors, kept to be shared (see ``_agreeing``)."""
 
 
 def run_in_order(
@@ -68,3 +73,15 @@ def combine_async_requests(requests: Sequence[Any], write_timer: torch.Tensor) -
             calls.append((req.async_fn, tuple(args), dict(req.async_fn_kwargs)))
         finalize_fns.extend(req.finalize_fns)
     return async_request(run_in_order, (calls, write_timer, _compat.async_strategy()), finalize_fns)
+
+
+def stop_writers(queue: Any) -> None:
+    """Kill this rank's background writer processes of ``queue`` and close it, finalising
+    nothing (their saves stay uncommitted). Local; logs what goes wrong, raises nothing."""
+    try:
+        for call in list(getattr(queue, "async_calls", ())):
+            call.async_caller.close(abort=True)  # kills the writer process
+        getattr(queue, "async_calls", []).clear()
+        queue.close(abort=True)
+    except Exception as err:  # noqa: BLE001 - logged: the run's own error propagates
+        log.error("stopping the async checkpoint writer: %s", err)

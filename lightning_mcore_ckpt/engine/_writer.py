@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,14 +13,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore_ckpt import _atomic, _compat, layout, retention
 from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors, save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
+from lightning_mcore_ckpt.engine._durable import commit_unowned
 from lightning_mcore_ckpt.engine._records import (
     CheckpointSaveError,
     SaveListener,
     SaveOptions,
     SaveRecord,
 )
-from lightning_mcore_ckpt.engine._requests import PendingSave, combine_async_requests, run_in_order
+from lightning_mcore_ckpt.engine._requests import (
+    PendingSave,
+    combine_async_requests,
+    run_in_order,
+    stop_writers,
+)
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
     optimizer_sharded_state_dict,
@@ -29,12 +37,12 @@ from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_D
 
 __all__ = ["CheckpointWriter"]
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointWriter:
-    """Writes step directories (``model/``, ``optim/``, ``extra/``); owns the one async save.
-
-    It holds the async calls queue, the save in flight (at most one) and the
-    :class:`SaveListener` s, and it is the only place where a pending save is finalised.
+    """Writes step directories (``model/``, ``optim/``, ``extra/``); owns the one async save,
+    the async calls queue and the :class:`SaveListener` s; it alone finalises a pending save.
 
     Collective methods are called by every rank of the default process group, at the same
     point of the job. A save goes through this sequence of calls:
@@ -59,8 +67,8 @@ class CheckpointWriter:
 
     A failure on any rank becomes the same :class:`CheckpointSaveError` on every rank, given to
     the save's ``on_error`` and to the listeners that own the path, else raised from the call
-    that found it (``save`` or ``finalize``). :meth:`add_listener`, :meth:`remove_listener` and
-    :attr:`pending_path` are local.
+    that found it (``save`` or ``finalize``). :meth:`add_listener`, :meth:`remove_listener`,
+    :meth:`abandon` and :attr:`pending_path` are local.
     """
 
     def __init__(self, *, async_save: bool = False, parallel_save: bool = True) -> None:
@@ -71,8 +79,6 @@ class CheckpointWriter:
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
         self._listeners: list[SaveListener] = []
-
-    # --- listeners (local) ----------------------------------------------------------------
 
     def add_listener(self, listener: SaveListener) -> None:
         """Register ``listener`` to be told how the saves of the paths it owns end."""
@@ -88,8 +94,6 @@ class CheckpointWriter:
     def pending_path(self) -> Path | None:
         """The step directory of the async save in flight, if any."""
         return None if self._pending is None else self._pending.path
-
-    # --- save (collective) ----------------------------------------------------------------
 
     def save(
         self,
@@ -109,9 +113,13 @@ class CheckpointWriter:
 
         self.finalize(blocking=True)
         start = time.perf_counter() if options.started_at is None else options.started_at
+        _compat.drain_write_results()  # what a failed save left would go into this one
         path = Path(broadcast(str(filepath)))
         contents = list(options.contents)
-        problem = self._create_directories(path, contents) if state.rank == 0 else None
+        # A save no listener owns (e.g. trainer.save_checkpoint(path) by hand) commits itself
+        # and is marked as not a run's own: retention and cleanup never touch it.
+        managed = bool(self._owners(path))
+        problem = self._create_directories(path, contents, managed) if state.rank == 0 else None
         # Every rank raises the same error instead of waiting for rank 0 in a barrier.
         problem = broadcast(problem)
         if problem is not None:
@@ -120,33 +128,34 @@ class CheckpointWriter:
             raise FileExistsError(problem)
         async_save = self.async_save and not options.synchronous
         requests = []
+        # Rank 0's finalisation errors, kept until every rank has passed the collectives that
+        # follow them (see _agreeing), then shared.
+        kept: list[BaseException] = []
         model_ssd = state.model_sharded_state_dict()
         # Sync and async saves take the same path (as dist_checkpointing.save does internally):
         # plan and stage here, write (inline or in the background), then finalise. So both
         # measure the same phases.
+        parts = []
         if "model" in contents:
-            requests.append(
-                dist_checkpointing.save(
-                    model_ssd,
-                    str(path / MODEL_DIR),
-                    sharded_strategy=self._save_strategy(),
-                    async_sharded_save=True,
-                    **_compat.save_kwargs(),
-                )
-            )
+            parts.append((model_ssd, path / MODEL_DIR))
         if "optimizer" in contents and state.optimizers:
-            requests.append(
-                dist_checkpointing.save(
-                    # save() consumes the model's sharded dict; map the optimizer onto a new one.
-                    optimizer_sharded_state_dict(
-                        state.optimizers, state.module, state.model_sharded_state_dict()
-                    ),
-                    str(path / OPTIM_DIR),
-                    sharded_strategy=self._save_strategy(),
-                    async_sharded_save=True,
-                    **_compat.save_kwargs(),
-                )
+            # save() consumes the model's sharded dict; map the optimizer onto a new one.
+            optim_ssd = optimizer_sharded_state_dict(
+                state.optimizers, state.module, state.model_sharded_state_dict()
             )
+            parts.append((optim_ssd, path / OPTIM_DIR))
+        for sharded_state_dict, directory in parts:
+            strategy = save_strategy(self.parallel_save, kept)
+            request = dist_checkpointing.save(
+                sharded_state_dict,
+                str(directory),
+                sharded_strategy=strategy,
+                async_sharded_save=True,
+                **_compat.save_kwargs(),
+            )
+            if request is not None:
+                defer_metadata_errors(request, kept, strategy, str(directory))
+                requests.append(request)
         write_timer = torch.zeros(1, dtype=torch.float64).share_memory_()
         request = combine_async_requests([r for r in requests if r is not None], write_timer)
         extra_write_s = 0.0
@@ -162,6 +171,8 @@ class CheckpointWriter:
         if failure is not None:
             return self._failed(path, failure, options)
         base: dict[str, Any] = {
+            "global_step": checkpoint.get("global_step"),
+            "epoch": checkpoint.get("epoch"),
             "path": path,
             "contents": tuple(contents),
             "asynchronous": async_save,
@@ -173,7 +184,7 @@ class CheckpointWriter:
             call_id = self._get_async_queue().schedule_async_request(request)
             timings["call_s"] = time.perf_counter() - start
             self._pending = PendingSave(
-                path, [call_id], timings, base, options, write_timer, state.device
+                path, [call_id], timings, base, options, write_timer, state.device, kept
             )
             return None
         try:
@@ -192,7 +203,11 @@ class CheckpointWriter:
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared, re-raised
                 error = err
             failure = agree_on_failure(
-                error, path, "finishing model/ and optim/", state.rank, state.device
+                error or (kept[0] if kept else None),
+                path,
+                "finishing model/ and optim/",
+                state.rank,
+                state.device,
             )
         if failure is not None:
             return self._failed(path, failure, options)
@@ -201,7 +216,7 @@ class CheckpointWriter:
         return None
 
     @staticmethod
-    def _create_directories(path: Path, contents: list[str]) -> str | None:
+    def _create_directories(path: Path, contents: list[str], managed: bool) -> str | None:
         """Rank 0: the new step directory and its sub-directories; what went wrong, if any."""
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             return (
@@ -209,7 +224,7 @@ class CheckpointWriter:
                 "save each step to a new directory"
             )
         try:
-            layout.mark_step_started(path)
+            layout.mark_step_started(path, managed=managed)
             for sub, wanted in (
                 (MODEL_DIR, "model"),
                 (OPTIM_DIR, "optimizer"),
@@ -220,22 +235,6 @@ class CheckpointWriter:
         except OSError as err:
             return f"cannot create checkpoint directory {path}: {err}"
         return None
-
-    def _save_strategy(self) -> Any:
-        from megatron.core import parallel_state
-        from megatron.core.dist_checkpointing.serialization import (
-            get_default_save_sharded_strategy,
-        )
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelSaveStrategyWrapper,
-        )
-
-        strategy = get_default_save_sharded_strategy("torch_dist")
-        if self.parallel_save and parallel_state.get_data_parallel_world_size() > 1:
-            strategy = FullyParallelSaveStrategyWrapper(
-                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
-            )
-        return strategy
 
     def _write_extra(
         self, directory: Path, checkpoint: dict[str, Any], state: TrainingState
@@ -282,6 +281,7 @@ class CheckpointWriter:
         # The save's total time runs from the first rank's start (clocks of different hosts
         # are not compared: each rank measures its own elapsed time).
         now = time.perf_counter()
+        step, epoch = base.pop("global_step"), base.pop("epoch")
         mine = [
             timings["call_s"] + timings.get("finalize_s", 0.0),
             float(write_timer[0]) + timings["extra_write_s"],
@@ -297,10 +297,16 @@ class CheckpointWriter:
             total_time_s=elapsed,
             finalized_at=now,
         )
+        owners = self._owners(record.path)
+        if not owners:
+            failure = commit_unowned(record, step, epoch, device)
+            if failure is not None:
+                return self._failed(record.path, failure, options)
         for fn in options.on_finalized:
             fn(record)
-        for listener in self._owners(record.path):
+        for listener in owners:
             listener.saved(record)
+        return None
 
     def _get_async_queue(self) -> Any:
         if self._async_queue is None:
@@ -327,10 +333,14 @@ class CheckpointWriter:
             finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
         # CheckpointException is a BaseException; either is re-raised as CheckpointSaveError.
         except (Exception, CheckpointException) as err:  # noqa: BLE001
+            # Every rank raised (Megatron-Core shares the failure); rank 0's names the cause.
             self._pending = None
-            failure = CheckpointSaveError(
-                f"async checkpoint save to {pending.path} failed in the background write: {err}"
-            )
+            headline = f"async checkpoint save to {pending.path} failed in the background write"
+            failure = CheckpointSaveError(f"{headline}: {err}")
+            if distributed():
+                rank, device = dist.get_rank(), pending.device
+                agreed = agree_on_failure(err, pending.path, "", rank, device, headline)
+                failure = agreed or failure
             failure.__cause__ = err
             self._failed(pending.path, failure, pending.options)
             return True
@@ -338,11 +348,36 @@ class CheckpointWriter:
         if pending.call_ids:
             return False
         self._pending = None
+        # Every rank finalised this save at this call: share rank 0's kept error, if any.
+        kept = pending.kept[0] if pending.kept else None
+        agreed = CheckpointSaveError(f"{pending.path}: {kept}") if kept is not None else None
+        if distributed():
+            phase = "finishing model/ and optim/"
+            agreed = agree_on_failure(kept, pending.path, phase, dist.get_rank(), pending.device)
+        if agreed is not None:
+            self._failed(pending.path, agreed, pending.options)
+            return True
         pending.timings["finalize_s"] = time.perf_counter() - start
         self._complete(
             pending.base, pending.timings, pending.write_timer, pending.options, pending.device
         )
         return True
+
+    def abandon(self) -> None:
+        """Local: stop this rank's background write, unfinalised (the step stays uncommitted).
+        For error paths: see the strategy's ``abandon_pending_save``. Raises nothing."""
+        pending, self._pending = self._pending, None
+        queue, self._async_queue = self._async_queue, None
+        if queue is None:
+            return
+        if pending is not None:
+            log.warning(
+                "an error stopped the run while the async save to %s was being written: its "
+                "writer is stopped and the step is left uncommitted (the previous committed step "
+                "is intact; a later run cleans it up)",
+                pending.path,
+            )
+        stop_writers(queue)
 
     def remove(self, path: Path, rank: int) -> None:
         """Delete a step directory: rank 0 deletes, every rank waits for it (collective)."""

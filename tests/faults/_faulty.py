@@ -12,6 +12,8 @@ import functools
 import os
 import shutil
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +36,48 @@ def _target(path: Any, sub: str = "") -> bool:
     return f"global_step_{FAULT_STEP}/{sub}" in str(path)
 
 
-def inject(fault: str | None, rank: int) -> None:
-    """Arm ``fault`` (``"<point>:<action>@<rank>"``, rank optional) in this rank's process."""
+def inject(fault: str | None, rank: int) -> Callable[[], None]:
+    """Arm ``fault`` (``"<point>:<action>@<rank>"``, rank optional) in this rank's process.
+
+    Returns what disarms it. Actions: ``kill`` (SIGKILL of the rank), ``unpicklable``, ``slow``
+    (a 4 s pause, then the real call), ``once-<ERRNO>`` (that error the first time only), or an
+    errno name (that ``OSError`` every time).
+    """
     global _RANK_PID
     _RANK_PID = os.getpid()
+    patched: list[tuple[Any, str, Any]] = []
+
+    def undo() -> None:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+
+    def patch(owner: Any, name: str, replacement: Any) -> None:
+        patched.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, replacement)
+
     if not fault:
-        return
+        return undo
     point_action, _, only_rank = fault.partition("@")
     if only_rank and int(only_rank) != rank:
-        return
+        return undo
     point, _, action = point_action.partition(":")
+    fired: list[bool] = []
 
     def act() -> None:
         if action == "kill":
             _die()
+        if action == "slow":
+            time.sleep(4)
+            return
+        if action.startswith("once-"):
+            if fired:
+                return
+            fired.append(True)
         if action == "unpicklable":
             import pickle
 
             raise pickle.PicklingError(f"cannot pickle a generator (injected at {point})")
-        code = getattr(errno, action)
+        code = getattr(errno, action.removeprefix("once-"))
         raise OSError(code, f"{os.strerror(code)} (injected at {point})")
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -76,7 +101,7 @@ def inject(fault: str | None, rank: int) -> None:
                 act()
             return original(*args, **kwargs)
 
-        filesystem_async._write_item = write_item
+        patch(filesystem_async, "_write_item", write_item)
     elif point == "extra":
         original_extra = CheckpointWriter._write_extra
 
@@ -85,7 +110,28 @@ def inject(fault: str | None, rank: int) -> None:
                 act()
             original_extra(self, directory, checkpoint, state)
 
-        CheckpointWriter._write_extra = write_extra  # type: ignore[method-assign]
+        patch(CheckpointWriter, "_write_extra", write_extra)
+    elif point == "dcp_metadata":  # rank 0 writes each dist-checkpoint's .metadata
+        writer = filesystem_async.FileSystemWriterAsync
+        original_finish = writer.finish
+
+        def finish(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _target(f"{self.checkpoint_id}/"):
+                act()
+            return original_finish(self, *args, **kwargs)
+
+        patch(writer, "finish", finish)
+    elif point == "mcore_config":  # rank 0 writes each dist-checkpoint's metadata.json
+        from megatron.core.dist_checkpointing import core
+
+        original_config = core.save_config
+
+        def save_config(config: Any, checkpoint_dir: Any) -> None:
+            if _target(f"{checkpoint_dir}/"):
+                act()
+            original_config(config, checkpoint_dir)
+
+        patch(core, "save_config", save_config)
     elif point == "before_commit":
         original_write = _atomic.write_text
 
@@ -94,7 +140,7 @@ def inject(fault: str | None, rank: int) -> None:
                 act()
             original_write(path, text)
 
-        _atomic.write_text = write_text_atomic
+        patch(_atomic, "write_text", write_text_atomic)
     elif point == "before_tracker":
         original_tracker = layout.write_tracker
 
@@ -103,7 +149,7 @@ def inject(fault: str | None, rank: int) -> None:
                 act()
             original_tracker(dirpath, step)
 
-        layout.write_tracker = write_tracker
+        patch(layout, "write_tracker", write_tracker)
     elif point == "retention":
         original_rmtree = shutil.rmtree
 
@@ -113,9 +159,10 @@ def inject(fault: str | None, rank: int) -> None:
                 act()
             original_rmtree(path, *args, **kwargs)
 
-        shutil.rmtree = rmtree  # type: ignore[assignment]
+        patch(shutil, "rmtree", rmtree)
     else:
         raise ValueError(f"unknown fault point {point!r}")
+    return undo
 
 
 def train(
@@ -139,8 +186,40 @@ def run(
     max_steps: int = MAX_STEPS,
     ckpt_path: str | None = "last",
     num_layers: int = 2,
+    raise_at: tuple[int, int | None] | None = None,
+    group_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """One run; returns where it started and ended, its losses and its gathered weights."""
+    """One run; returns where it started and ended, its losses and its gathered weights.
+
+    ``raise_at=(step, rank)``: a training error after that step on that rank (``None``: every
+    rank). ``group_timeout_s``: the process group's timeout (a hang becomes an error then).
+    """
+    options = dict(locals())
+    undo = inject(fault, rank)
+    try:
+        return _run(**options)
+    finally:
+        undo()
+
+
+def _run(
+    rank: int,
+    world_size: int,
+    tmp: str,
+    tp: int,
+    async_save: bool,
+    max_to_keep: int | None,
+    on_save_error: str,
+    signal_at: tuple[int, int, int] | None,
+    max_steps: int,
+    ckpt_path: str | None,
+    num_layers: int,
+    raise_at: tuple[int, int | None] | None,
+    group_timeout_s: float | None,
+    **_: Any,
+) -> dict[str, Any]:
+    import datetime
+
     import lightning.pytorch as pl
     from _trainer import gathered_weights, make_trainer
     from lightning.pytorch.loggers import CSVLogger
@@ -148,7 +227,6 @@ def run(
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
-    inject(fault, rank)
     seen: dict[str, int] = {}
 
     class Watch(pl.Callback):
@@ -160,12 +238,19 @@ def run(
                 step, signum, only_rank = signal_at
                 if trainer.global_step == step and rank == only_rank:
                     os.kill(os.getpid(), signum)  # a real signal, as a scheduler sends it
+            if raise_at is not None and trainer.global_step == raise_at[0]:
+                if raise_at[1] is None or raise_at[1] == rank:
+                    raise RuntimeError(f"training failed at step {raise_at[0]} (injected)")
 
     torch.manual_seed(0)  # the shuffling loader's order
     module = TinyGPTModule(num_layers=num_layers)
     trainer = make_trainer(
         max_steps,
-        MegatronStrategy(tensor_model_parallel_size=tp, ckpt_async_save=async_save),
+        MegatronStrategy(
+            tensor_model_parallel_size=tp,
+            ckpt_async_save=async_save,
+            **({"timeout": datetime.timedelta(seconds=group_timeout_s)} if group_timeout_s else {}),
+        ),
         world_size,
         callbacks=[
             MegatronCheckpoint(
@@ -209,3 +294,25 @@ def listing(tmp: str | Path) -> list[str]:
         else:
             out.append(entry.name)
     return out
+
+
+def run_cases(
+    rank: int, world_size: int, tmp: str, cases: list[tuple[str, str | None, dict[str, Any]]]
+) -> dict[str, dict[str, Any]]:
+    """Several runs in the same processes, one per ``(case id, fault, options)``, each in its own
+    directory: what each raised (type, message, seconds from the fault's save step) or how it
+    ended. A case that hangs on any rank fails them all (the launcher's timeout)."""
+    outcomes: dict[str, dict[str, Any]] = {}
+    for case, fault, options in cases:
+        started = time.monotonic()
+        try:
+            result = run(rank, world_size, str(Path(tmp, case)), fault, **options)
+        except Exception as err:  # noqa: BLE001 - what each rank raised is the test's subject
+            outcomes[case] = {
+                "raised": type(err).__name__,
+                "message": str(err),
+                "seconds": time.monotonic() - started,
+            }
+        else:
+            outcomes[case] = {"raised": None, "end": result["end"]}
+    return outcomes

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt import _cpu
 
-__all__ = ["default_backend", "destroy", "initialize"]
+__all__ = ["backend_for", "default_backend", "destroy", "initialize"]
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +19,27 @@ log = logging.getLogger(__name__)
 def default_backend() -> str:
     """``nccl`` where CUDA is available, ``gloo`` otherwise."""
     return "nccl" if _cpu.cuda_available() else "gloo"
+
+
+def backend_for(device_type: str, requested: str | None) -> str:
+    """The process group backend for ranks on ``device_type``: the one ``requested``, else
+    ``nccl`` for CUDA devices and ``gloo`` for the CPU (whatever else the machine has).
+
+    Raises ``ValueError`` for ``nccl`` with CPU devices, naming the fix.
+
+    Example::
+
+        backend_for("cpu", None)  # "gloo", also on a machine with GPUs
+    """
+    if requested == "nccl" and device_type == "cpu":
+        raise ValueError(
+            "MegatronStrategy(process_group_backend='nccl') with Trainer(accelerator='cpu'): "
+            "NCCL only moves CUDA tensors. Use process_group_backend='gloo' (or leave it unset), "
+            "or train on GPUs with accelerator='gpu'"
+        )
+    if requested is not None:
+        return requested
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def initialize(

@@ -65,6 +65,8 @@ def remove_step(path: str | os.PathLike[str]) -> None:
         remove_step("checkpoints/run/global_step_100")
     """
     p = Path(path)
+    if p.is_symlink():
+        raise ValueError(f"refusing to delete {p}: it is a symbolic link, not a step directory")
     if step_number(p) is None:
         raise ValueError(f"refusing to delete {p}: not a global_step_<N> directory")
     if not is_ours(p):

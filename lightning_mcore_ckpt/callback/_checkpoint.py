@@ -24,10 +24,12 @@ from typing_extensions import override
 from lightning_mcore_ckpt import layout, metrics
 from lightning_mcore_ckpt._lock import DirectoryLock
 from lightning_mcore_ckpt.callback import _bookkeeping, _loops
-from lightning_mcore_ckpt.callback._commit import Committer, monitor_entry
+from lightning_mcore_ckpt.callback._commit import Committer
 from lightning_mcore_ckpt.callback._config import CheckpointConfig
+from lightning_mcore_ckpt.callback._intent import monitor_entry
 from lightning_mcore_ckpt.callback._setup import (
     acquire_lock,
+    agree_on_last,
     check_hf_export,
     refuse_another_runs_steps,
     refuse_uploading_loggers,
@@ -136,6 +138,7 @@ class MegatronCheckpoint(StepTriggers):
         self._committer: Committer | None = None
         self._lock: DirectoryLock | None = None
         self._filters: list[Any] | None = None
+        self._found_last: bool | None = None  # see _find_last_checkpoints
         self._init_triggers()
 
     # --- identity, state ------------------------------------------------------------------
@@ -171,6 +174,9 @@ class MegatronCheckpoint(StepTriggers):
             warnings.filters[:] = self._filters  # type: ignore[index]
             self._filters = None
         self._lock = acquire_lock(trainer, self._root, stage)
+        found, self._found_last = self._found_last, None
+        if found is not None:
+            agree_on_last(trainer, self._root, found)
         self._resumed_step = None  # set by on_load_checkpoint when this fit resumes
         self._committer = Committer(
             self._root,
@@ -215,7 +221,9 @@ class MegatronCheckpoint(StepTriggers):
         from lightning_mcore_ckpt import hf
 
         target = layout.step_dir(self._root, trainer.global_step)
-        if trainer.is_global_zero and layout.is_complete(target) and not hf.is_exported(target):
+        wanted = layout.is_complete(target) and not hf.is_exported(target)
+        # Rank 0 exports; every rank hears how it ended (an error is raised everywhere).
+        if trainer.strategy.broadcast(wanted):
             assert self._committer is not None
             self._committer.export_committed(target)
             self._committer.process(wait=True)
@@ -228,10 +236,17 @@ class MegatronCheckpoint(StepTriggers):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        # A step whose write finished still commits; the run's own error is the one raised.
+        # Nothing here is collective: the other ranks may have failed, or be waiting elsewhere.
+        # A step whose write finished on every rank still commits (rank 0's commit thread);
+        # an async save still being written is stopped and left uncommitted (an incomplete
+        # step, cleaned up by a later run), before the lock is released. Errors met here are
+        # logged; the run's own error is the one raised.
         try:
             super().on_exception(trainer, pl_module, exception)
-            self._log_commits(trainer, wait=True)
+            if isinstance(trainer.strategy, MegatronStrategy):
+                trainer.strategy.abandon_pending_save()
+            if self._committer is not None:
+                self._committer.process(wait=True, collective=False)
         except Exception as err:  # noqa: BLE001 - reported, the original exception propagates
             log.error("while handling %r: %s", exception, err)
         finally:
@@ -280,9 +295,12 @@ class MegatronCheckpoint(StepTriggers):
                 "Add them to save_contents, or start a new run from the weights with "
                 "MegatronStrategy(init_from=<step directory>)"
             )
-        newest = layout.resolve_last(self._root, verify=trainer.is_global_zero)
-        if newest is not None:
-            return {str(newest)}
+        # Which step is decided once, when the strategy loads: rank 0 picks the newest step
+        # that is undamaged and every rank gets its choice (or its error). Here every rank only
+        # says whether there is one to resume; setup checks that all ranks agree.
+        self._found_last = bool(layout.complete_steps(self._root))
+        if self._found_last:
+            return {str(self._root)}
         if trainer.is_global_zero:
             log.warning(
                 'ckpt_path="last": no complete checkpoint in %s, starting from scratch', self._root
@@ -333,6 +351,7 @@ class MegatronCheckpoint(StepTriggers):
             monitor=monitor,
             synchronous=self._synchronous,
             export=self._export_next,
+            preempted=self._preemption.signum is not None,
         )
 
     # --- outcomes -------------------------------------------------------------------------

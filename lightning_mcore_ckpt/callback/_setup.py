@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "acquire_lock",
+    "agree_on_last",
     "check_hf_export",
     "refuse_another_runs_steps",
     "refuse_uploading_loggers",
@@ -96,3 +97,24 @@ def check_hf_export(export: HFExport, strategy: Any, pl_module: pl.LightningModu
         prefixes,
         argument="HFExport(hf_model_path=...)",
     )
+
+
+def agree_on_last(trainer: pl.Trainer, root: Path, found: bool) -> None:
+    """``ckpt_path="last"``: every rank must see a step to resume, or none must. Collective.
+
+    Ranks that disagree (a ``dirpath`` that is not on a file system shared by all hosts) would
+    load on some ranks only and wait for each other forever: every rank raises instead.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, bool(found))
+    if len(set(seen)) > 1:
+        without = [rank for rank, flag in enumerate(seen) if not flag]
+        raise RuntimeError(
+            f'MegatronCheckpoint(dirpath={str(root)!r}): ckpt_path="last" found complete steps '
+            f"on some ranks but none on ranks {without}: the directory must be the same one, "
+            "on a file system every host shares. Put dirpath on shared storage"
+        )

@@ -159,7 +159,9 @@ class MegatronParallelBase(ParallelStrategy):
         )
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        backend = self._process_group_backend or _parallel.default_backend()
+        # The backend follows the devices the ranks train on, not what the machine has:
+        # accelerator="cpu" on a GPU machine is a gloo group.
+        backend = _parallel.backend_for(self.root_device.type, self._process_group_backend)
         self._process_group_backend = backend
         _cpu.install()
         if not _distributed_is_initialized():

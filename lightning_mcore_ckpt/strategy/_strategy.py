@@ -272,6 +272,21 @@ class MegatronStrategy(MegatronTrainingBase):
         """
         return self._writer.finalize(blocking=blocking)
 
+    def abandon_pending_save(self) -> None:
+        """Stop the async save in flight, if any, and leave its step uncommitted. Local.
+
+        For an error path, where the other ranks cannot be waited for: this rank's background
+        writer is stopped, nothing is finalised, so the step never gets its commit marker (it
+        stays incomplete, ignored by ``"last"`` and cleaned up by a later run). Called from
+        :meth:`on_exception` and by ``MegatronCheckpoint`` before it releases its lock.
+        """
+        self._writer.abandon()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.abandon_pending_save()
+        super().on_exception(exception)
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._rng_at_load is not None:

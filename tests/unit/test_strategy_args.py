@@ -64,3 +64,14 @@ def test_the_constructor_takes_exactly_the_config_fields_with_the_same_defaults(
     assert [p.default for p in params] == [f.default for f in fields]
     strategy = MegatronStrategy(tensor_model_parallel_size=2, seed=7)
     assert strategy.config == StrategyConfig(tensor_model_parallel_size=2, seed=7)
+
+
+def test_the_process_group_backend_follows_the_accelerator_not_the_machine() -> None:
+    from lightning_mcore_ckpt._parallel import backend_for
+
+    # accelerator="cpu" on a machine with GPUs trains on CPU tensors: gloo, not NCCL.
+    assert backend_for("cpu", None) == "gloo"
+    assert backend_for("cuda", None) == "nccl"
+    assert backend_for("cuda", "gloo") == "gloo"
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl'.*accelerator='cpu'"):
+        backend_for("cpu", "nccl")

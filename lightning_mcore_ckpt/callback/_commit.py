@@ -88,6 +88,9 @@ class Committer:
         keep: the steps Lightning's bookkeeping keeps (called on the training thread).
         on_committed: training thread, rank 0: a step was committed (its metadata).
         on_failed: every rank: a save or its commit failed.
+        check_lock: rank 0: raises ``RuntimeError`` once this run no longer holds the
+            directory's lock (:meth:`~lightning_mcore_ckpt.layout.DirectoryLock.check`); no
+            step is written, committed or deleted after that.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Committer:
         keep: Callable[[], set[Path]],
         on_committed: Callable[[dict[str, Any]], None],
         on_failed: Callable[[Path, BaseException], None],
+        check_lock: Callable[[], None] | None = None,
     ) -> None:
         self.root = root
         self.is_global_zero = is_global_zero
@@ -112,6 +116,7 @@ class Committer:
         self._keep = keep
         self._on_committed = on_committed
         self._on_failed = on_failed
+        self._check_lock = check_lock or (lambda: None)
         self._intents: dict[Path, Intent] = {}
         self._removals: list[tuple[int, Path]] = []
         self._replaced: set[Path] = set()
@@ -134,8 +139,7 @@ class Committer:
         """Write one step through the strategy. Collective: every rank, in the same order.
 
         1) finalise the save in flight and report finished commits (one save at a time);
-        2) rank 0 decides: a complete step is not written again, a foreign directory fails the
-           save, an incomplete one of ours (a crashed save) is removed; every rank learns it;
+        2) rank 0 decides (:meth:`_decide`); every rank learns it;
         3) the strategy writes the step; its outcome comes back to :meth:`saved` or
            :meth:`failed`, on every rank.
         """
@@ -143,22 +147,7 @@ class Committer:
         strategy.finalize_pending_save(blocking=True)  # type: ignore[attr-defined]
         self.process(wait=True)
         started = time.perf_counter()
-        decision = None
-        if trainer.is_global_zero:
-            if layout.is_complete(target) and self.overwrite:
-                log.warning("replacing %s (overwrite=True)", target)
-                retention.remove_step(target)
-                self._replaced.discard(target)
-            elif layout.is_complete(target):
-                decision = "exists"
-            elif target.exists() and not layout.is_ours(target):
-                decision = (
-                    f"{target} exists but was not written by lightning-mcore-ckpt; move it out "
-                    f"of {self.root} (it is never deleted)"
-                )
-            elif target.exists():
-                log.warning("removing incomplete %s before saving it again", target)
-                retention.remove_step(target)
+        decision = self._decide(target) if trainer.is_global_zero else None
         decision = strategy.broadcast(decision)
         if decision == "exists":
             log.info("%s is already complete; not saving it again", target)
@@ -179,6 +168,31 @@ class Committer:
         )
         options = SaveOptions(contents=contents, synchronous=synchronous, started_at=started)
         trainer.save_checkpoint(target, storage_options=options)
+
+    def _decide(self, target: Path) -> str | None:
+        """Rank 0, before ``target`` is written: ``None`` to write it, ``"exists"`` to skip it
+        (complete), else why the save fails. A run that lost the directory's lock writes
+        nothing; a foreign directory is never touched; an incomplete one of ours (a crashed
+        save) is removed, and a complete one too with ``overwrite``."""
+        try:
+            self._check_lock()
+        except RuntimeError as err:
+            return f"not saving {target}: {err}"
+        if layout.is_complete(target) and self.overwrite:
+            log.warning("replacing %s (overwrite=True)", target)
+            retention.remove_step(target)
+            self._replaced.discard(target)
+        elif layout.is_complete(target):
+            return "exists"
+        elif target.exists() and not layout.is_ours(target):
+            return (
+                f"{target} exists but was not written by lightning-mcore-ckpt; move it out "
+                f"of {self.root} (it is never deleted)"
+            )
+        elif target.exists():
+            log.warning("removing incomplete %s before saving it again", target)
+            retention.remove_step(target)
+        return None
 
     # --- the strategy's SaveListener (every rank) ----------------------------------------
 
@@ -297,6 +311,7 @@ class Committer:
         data_bytes = metrics.tree_bytes(target, exclude=[layout.METADATA_FILE])
         metadata["total_time_s"] = time.perf_counter() - started
         text, metadata = metrics.encode_metadata(metadata, data_bytes)
+        self._check_lock()
         _atomic.write_text(target / layout.METADATA_FILE, text)
         layout.write_tracker(self.root, metadata["global_step"])
         log.info(
@@ -316,6 +331,7 @@ class Committer:
     ) -> dict[str, Any]:
         # Scans the directory: nothing is kept only in memory. Never deletes the newest
         # committed step (also when it is the one this run resumed from).
+        self._check_lock()
         for other in replaced:  # another run's steps, replaced by this one (overwrite=True)
             if layout.is_complete(other) and layout.is_ours(other):
                 log.info("overwrite: removing %s of the replaced run", other)
@@ -345,6 +361,7 @@ class Committer:
     def _export_into_committed(self, target: Path) -> dict[str, Any]:
         # A committed step stays complete throughout: huggingface/ appears by rename, then the
         # metadata is replaced atomically with the export's figures.
+        self._check_lock()
         seconds = self._export(target)
         metadata = layout.read_metadata(target) or {}
         metadata["hf_export_time_s"] = seconds

@@ -12,6 +12,7 @@ import functools
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,7 @@ def run(
     max_steps: int = MAX_STEPS,
     ckpt_path: str | None = "last",
     num_layers: int = 2,
+    steal_lock_at: int | None = None,
 ) -> dict[str, Any]:
     """One run; returns where it started and ended, its losses and its gathered weights."""
     import lightning.pytorch as pl
@@ -160,6 +162,8 @@ def run(
                 step, signum, only_rank = signal_at
                 if trainer.global_step == step and rank == only_rank:
                     os.kill(os.getpid(), signum)  # a real signal, as a scheduler sends it
+            if trainer.global_step == steal_lock_at and rank == 0:
+                take_lock_as_a_requeue(Path(tmp, "ckpt"))
 
     torch.manual_seed(0)  # the shuffling loader's order
     module = TinyGPTModule(num_layers=num_layers)
@@ -195,6 +199,18 @@ def run(
         "failed_saves": callback.failed_saves,
         "csv": str(Path(trainer.logger.log_dir) / "metrics.csv") if trainer.logger else None,
     }
+
+
+def take_lock_as_a_requeue(root: Path) -> None:
+    """Once a step is committed, a requeue of job 4242 on another node takes the lock over."""
+    from _locks import write_lock
+
+    from lightning_mcore_ckpt import layout
+
+    deadline = time.monotonic() + 60
+    while layout.read_tracker(root) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    write_lock(root, job_id="slurm:4242")
 
 
 def listing(tmp: str | Path) -> list[str]:

@@ -1,7 +1,8 @@
 """Promise 5, one writer per directory: how the lock changes hands.
 
 Real processes and real files: processes racing for one stale lock, locks written as a run on
-another host writes them, a heartbeat thread whose lock was taken over.
+another host writes them, a heartbeat thread whose lock was taken over, and a training run
+whose lock is taken over between two saves.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _locks import OTHER_HOST, race, write_lock
@@ -245,3 +247,30 @@ def test_a_release_while_another_run_takes_the_lock_over_leaves_theirs(tmp_path:
     theirs = write_lock(tmp_path, job_id="slurm:99")
     lock.release()  # no heartbeat noticed it: the release itself must look
     assert (tmp_path / layout.LOCK_FILE).read_bytes() == theirs
+
+
+def _fit_until_error(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from _faulty import train
+
+    try:
+        return train(rank, world_size, tmp, None, {"max_steps": 6, "steal_lock_at": 3})
+    except RuntimeError as err:
+        return {"error": str(err)}
+
+
+def test_a_run_whose_lock_was_taken_over_writes_no_more_steps(tmp_path: Path) -> None:
+    """Between the saves of steps 2 and 4, a requeue of the job takes the lock over from
+    another host: the save of step 4 fails, naming the new holder, before anything is written,
+    and the run leaves that holder's lock alone."""
+    from _faulty import listing
+
+    from lightning_mcore_ckpt.testing import run_distributed
+
+    (result,) = run_distributed(_fit_until_error, 1, str(tmp_path), timeout=200)
+    assert "error" in result, "the run went on saving after its lock was taken over"
+    assert "this run lost the lock" in result["error"]
+    assert f"pid 4242 on {OTHER_HOST}, job slurm:4242" in result["error"]
+    root = tmp_path / "ckpt"
+    assert listing(tmp_path) == [layout.LOCK_FILE, "global_step_2", layout.TRACKER_FILE]
+    assert layout.read_tracker(root) == 2
+    assert json.loads((root / layout.LOCK_FILE).read_text())["job_id"] == "slurm:4242"

@@ -75,6 +75,10 @@ class MegatronCheckpoint(StepTriggers):
     ``throughput_gbps``, ``hf_export_time_s``; see :mod:`lightning_mcore_ckpt.metrics`) and
     recorded in the step's ``metadata.json``.
 
+    One run writes a ``dirpath`` at a time (:class:`~lightning_mcore_ckpt.layout.DirectoryLock`):
+    a second is refused before any work; a requeue of the same job takes over at once; a run
+    whose lock was taken over fails its next save instead of writing.
+
     Example::
 
         trainer = L.Trainer(
@@ -188,6 +192,7 @@ class MegatronCheckpoint(StepTriggers):
             keep=lambda: _bookkeeping.kept_paths(self),
             on_committed=lambda metadata: self._on_committed(trainer, metadata),
             on_failed=lambda path, error: self._on_failed(trainer, path, error),
+            check_lock=None if self._lock is None else self._lock.check,
         )
         trainer.strategy.add_save_listener(self._committer)
 

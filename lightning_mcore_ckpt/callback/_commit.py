@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import layout, retention
+from lightning_mcore_ckpt.callback._export import export_into_committed
 from lightning_mcore_ckpt.callback._intent import Intent, step_metadata
 from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord, commit_step
 
@@ -45,6 +46,9 @@ class Committer:
         keep: the steps Lightning's bookkeeping keeps (called on the training thread).
         on_committed: training thread, rank 0: a step was committed (its metadata).
         on_failed: every rank: a save, its commit or its export failed.
+        check_lock: rank 0: raises ``RuntimeError`` once this run no longer holds the
+            directory's lock (:meth:`~lightning_mcore_ckpt.layout.DirectoryLock.check`); no
+            step is written, committed or deleted after that.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Committer:
         keep: Callable[[], set[Path]],
         on_committed: Callable[[dict[str, Any]], None],
         on_failed: Callable[[Path, BaseException], None],
+        check_lock: Callable[[], None] | None = None,
     ) -> None:
         self.root = root
         self.is_global_zero = is_global_zero
@@ -69,6 +74,7 @@ class Committer:
         self._keep = keep
         self._on_committed = on_committed
         self._on_failed = on_failed
+        self._check_lock = check_lock or (lambda: None)
         self._intents: dict[Path, Intent] = {}
         self._removals: list[tuple[int, Path]] = []
         self._replaced: set[Path] = set()
@@ -96,8 +102,7 @@ class Committer:
         """Write one step through the strategy. Collective: every rank, in the same order.
 
         1) finalise the save in flight and report finished commits (one save at a time);
-        2) rank 0 decides: a complete step is not written again, a foreign directory fails the
-           save, an incomplete one of ours (a crashed save) is removed; every rank learns it;
+        2) rank 0 decides (:meth:`_decide`); every rank learns it;
         3) the strategy writes the step; its outcome comes back to :meth:`saved` or
            :meth:`failed`, on every rank.
 
@@ -107,24 +112,7 @@ class Committer:
         strategy.finalize_pending_save(blocking=True)  # type: ignore[attr-defined]
         self.process(wait=True)
         started = time.perf_counter()
-        decision = None
-        if trainer.is_global_zero:
-            managed = layout.is_managed(target)
-            if layout.is_complete(target) and self.overwrite and managed:
-                log.warning("replacing %s (overwrite=True)", target)
-                retention.remove_step(target)
-                self._replaced.discard(target)
-            elif layout.is_complete(target):
-                decision = "exists"
-            elif target.exists() and not managed:
-                decision = (
-                    f"{target} exists but was not written by a MegatronCheckpoint run (a link, "
-                    f"a save by hand or another program's files); move it out of {self.root} "
-                    "(it is never deleted)"
-                )
-            elif target.exists():
-                log.warning("removing incomplete %s before saving it again", target)
-                retention.remove_step(target)
+        decision = self._decide(target) if trainer.is_global_zero else None
         decision = strategy.broadcast(decision)
         if decision == "exists":
             log.info("%s is already complete; not saving it again", target)
@@ -147,6 +135,33 @@ class Committer:
         )
         options = SaveOptions(contents=contents, synchronous=synchronous, started_at=started)
         trainer.save_checkpoint(target, storage_options=options)
+
+    def _decide(self, target: Path) -> str | None:
+        """Rank 0, before ``target`` is written: ``None`` to write it, ``"exists"`` to skip it
+        (complete), else why the save fails. A run that lost the directory's lock writes
+        nothing; a foreign directory is never touched; an incomplete one of ours (a crashed
+        save) is removed, and a complete one too with ``overwrite``."""
+        try:
+            self._check_lock()
+        except RuntimeError as err:
+            return f"not saving {target}: {err}"
+        managed = layout.is_managed(target)
+        if layout.is_complete(target) and self.overwrite and managed:
+            log.warning("replacing %s (overwrite=True)", target)
+            retention.remove_step(target)
+            self._replaced.discard(target)
+        elif layout.is_complete(target):
+            return "exists"
+        elif target.exists() and not managed:
+            return (
+                f"{target} exists but was not written by a MegatronCheckpoint run (a link, "
+                f"a save by hand or another program's files); move it out of {self.root} "
+                "(it is never deleted)"
+            )
+        elif target.exists():
+            log.warning("removing incomplete %s before saving it again", target)
+            retention.remove_step(target)
+        return None
 
     # --- the strategy's SaveListener (every rank) ----------------------------------------
 
@@ -298,28 +313,12 @@ class Committer:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
         self._commits.append((target, self._executor.submit(fn, *args), awaited))
 
-    def _export(self, target: Path) -> float:
-        from lightning_mcore_ckpt import hf
-
-        assert self.hf_export is not None
-        start = time.perf_counter()
-        log.info("exporting %s to Hugging Face format", target)
-        hf.export_checkpoint(
-            target,
-            self.hf_export.path,
-            target / layout.HF_DIR,
-            dtype=self.hf_export.dtype,
-            require_complete=False,
-            overwrite=True,
-            progress=False,
-        )
-        return time.perf_counter() - start
-
     def _commit(self, target: Path, metadata: dict[str, Any], record: SaveRecord) -> dict[str, Any]:
         # Every file and directory of the step durable, then metadata.json (the commit), then
         # the tracker: a power cut never leaves "last" naming a step with a file missing.
         started = record.finalized_at - record.total_time_s  # the first rank's start
         try:
+            self._check_lock()
             metadata = commit_step(target, metadata, started=started)
             layout.write_tracker(self.root, metadata["global_step"])
         except Exception as err:
@@ -341,57 +340,37 @@ class Committer:
     ) -> dict[str, Any]:
         # Scans the directory: nothing is kept only in memory. Never deletes the newest
         # committed step (also when it is the one this run resumed from).
-        for other in replaced:  # another run's steps, replaced by this one (overwrite=True)
-            if layout.is_complete(other) and layout.is_managed(other):
-                log.info("overwrite: removing %s of the replaced run", other)
-                retention.remove_step(other)
-        # Only what this package's runs wrote: never a link, a save made by hand or a user's file.
-        complete = [s for s in layout.complete_steps(self.root) if layout.is_managed(s.path)]
-        if not complete:
-            return {}
-        newest = complete[-1].step
-        protect = {newest}
         try:
+            self._check_lock()
+            for other in replaced:  # another run's steps, replaced by this one (overwrite=True)
+                if layout.is_complete(other) and layout.is_managed(other):
+                    log.info("overwrite: removing %s of the replaced run", other)
+                    retention.remove_step(other)
+            # Only what this package's runs wrote: never a link, a save by hand, a user's file.
+            complete = [s for s in layout.complete_steps(self.root) if layout.is_managed(s.path)]
+            if not complete:
+                return {}
+            newest = complete[-1].step
             for stale in layout.incomplete_steps(self.root):
                 if stale.step < newest and layout.is_managed(stale.path):
                     log.info("removing incomplete %s (a newer step is committed)", stale.path)
                     retention.remove_step(stale.path)
             doomed = retention.retention_plan(
-                complete, max_to_keep=self.max_to_keep, remove=removals, keep=keep, protect=protect
+                complete, max_to_keep=self.max_to_keep, remove=removals, keep=keep, protect={newest}
             )
             for old in doomed:
                 log.info("retention: removing %s", old.path)
                 retention.remove_step(old.path)
         except Exception as err:  # noqa: BLE001 - a step is committed: losing none, go on
             log.error(
-                "%s is committed, but retention failed: %s; training goes on, and the next "
+                "a step is committed, but retention failed: %s; training goes on, and the next "
                 "commit tries again (free space or fix permissions in %s)",
-                complete[-1].path,
                 err,
                 self.root,
             )
         return {}
 
     def _export_into_committed(self, target: Path) -> dict[str, Any]:
-        # A committed step stays complete throughout: huggingface/ appears by rename, then the
-        # metadata is replaced atomically with the export's figures and the new files.
-        metadata = layout.read_metadata(target)
-        if metadata is None:  # its commit failed (reported already): nothing to export
-            return {}
-        try:
-            seconds = self._export(target)
-            metadata["hf_export_time_s"] = seconds
-            contents = list(metadata.get("contents") or [])
-            if "hf_model" not in contents:
-                contents.append("hf_model")
-            metadata["contents"] = contents
-            commit_step(target, metadata)
-        except Exception as err:
-            raise RuntimeError(
-                f"the Hugging Face export of {target} failed (the step itself is committed and "
-                f"intact; export it again with `lightning-mcore-ckpt export`): "
-                f"{type(err).__name__}: {err}"
-            ) from err
-        log.info("exported %s/%s in %.1fs", target, layout.HF_DIR, seconds)
-        # Only the export's figure: the save's own were logged at its commit.
-        return {"global_step": metadata["global_step"], "hf_export_time_s": seconds}
+        assert self.hf_export is not None
+        self._check_lock()
+        return export_into_committed(self.hf_export, target)

@@ -24,8 +24,10 @@ __all__ = [
 
 
 def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock | None:
-    """Rank 0 creates ``root`` and, for ``fit``, takes its lock. Collective: every rank raises
-    the same error when the directory is in use by another run."""
+    """Rank 0 creates ``root`` and, for ``fit``, takes its lock and starts its heartbeat
+    (:class:`~lightning_mcore_ckpt.layout.DirectoryLock`: a requeue of the same job takes over
+    at once). Collective: every rank raises the same error when the directory is in use by
+    another run."""
     problem, lock = None, None
     if trainer.is_global_zero:
         root.mkdir(parents=True, exist_ok=True)

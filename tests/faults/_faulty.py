@@ -188,6 +188,7 @@ def run(
     num_layers: int = 2,
     raise_at: tuple[int, int | None] | None = None,
     group_timeout_s: float | None = None,
+    steal_lock_at: int | None = None,
 ) -> dict[str, Any]:
     """One run; returns where it started and ended, its losses and its gathered weights.
 
@@ -216,6 +217,7 @@ def _run(
     num_layers: int,
     raise_at: tuple[int, int | None] | None,
     group_timeout_s: float | None,
+    steal_lock_at: int | None,
     **_: Any,
 ) -> dict[str, Any]:
     import datetime
@@ -241,6 +243,8 @@ def _run(
             if raise_at is not None and trainer.global_step == raise_at[0]:
                 if raise_at[1] is None or raise_at[1] == rank:
                     raise RuntimeError(f"training failed at step {raise_at[0]} (injected)")
+            if trainer.global_step == steal_lock_at and rank == 0:
+                take_lock_as_a_requeue(Path(tmp, "ckpt"))
 
     torch.manual_seed(0)  # the shuffling loader's order
     module = TinyGPTModule(num_layers=num_layers)
@@ -280,6 +284,18 @@ def _run(
         "failed_saves": callback.failed_saves,
         "csv": str(Path(trainer.logger.log_dir) / "metrics.csv") if trainer.logger else None,
     }
+
+
+def take_lock_as_a_requeue(root: Path) -> None:
+    """Once a step is committed, a requeue of job 4242 on another node takes the lock over."""
+    from _locks import write_lock
+
+    from lightning_mcore_ckpt import layout
+
+    deadline = time.monotonic() + 60
+    while layout.read_tracker(root) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    write_lock(root, job_id="slurm:4242")
 
 
 def listing(tmp: str | Path) -> list[str]:

@@ -73,14 +73,19 @@ class MegatronCheckpoint(StepTriggers):
     ``throughput_gbps``, ``hf_export_time_s``; see :mod:`lightning_mcore_ckpt.metrics`) and
     recorded in the step's ``metadata.json``.
 
+    On SIGTERM or SIGUSR1 (``save_on_preemption``) every rank finishes the step, saves it and
+    ``fit`` returns; under SLURM with Lightning's auto-requeue the job is then requeued.
+    :attr:`preempted` and :attr:`preemption_signal` say so on every rank, and
+    ``sys.exit(checkpoint.exit_code)`` ends the script with :attr:`PREEMPTED_EXIT_CODE` (143).
+
     Example::
 
+        checkpoint = MegatronCheckpoint("checkpoints/run", every_n_train_steps=500, max_to_keep=3)
         trainer = L.Trainer(
-            strategy=MegatronStrategy(tensor_model_parallel_size=2),
-            callbacks=[MegatronCheckpoint("checkpoints/run", every_n_train_steps=500,
-                                          max_to_keep=3)],
+            strategy=MegatronStrategy(tensor_model_parallel_size=2), callbacks=[checkpoint]
         )
         trainer.fit(module, datamodule=dm, ckpt_path="last")
+        sys.exit(checkpoint.exit_code)  # 0, or 143 when preempted
     """
 
     FILE_EXTENSION = ""
@@ -203,14 +208,14 @@ class MegatronCheckpoint(StepTriggers):
         if self._resumed_step is not None and self.restore_dataloader:
             _loops.refuse_unresumable_loader(trainer, str(self._root), self._resumed_step)
         if self.save_on_preemption:
-            self._preemption.install()
+            self._preemption.install(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # when="end": the final step gets its one export, also when it was saved by the cadence
         # or by an earlier run that stopped before exporting. A preempted fit is not the end.
         export = self.hf_export is not None and self.hf_export.when == "end"
-        if not export or trainer.global_step == 0 or self._preemption.signum is not None:
+        if not export or trainer.global_step == 0 or self.preempted:
             return
         from lightning_mcore_ckpt import hf
 
@@ -223,6 +228,10 @@ class MegatronCheckpoint(StepTriggers):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release(trainer)
+        # Under SLURM with Lightning's auto-requeue: the preempted step is committed (on_train_end)
+        # and the lock released (the requeued job may start at once, elsewhere): requeue now.
+        # SLURM then ends this job (Lightning has put back the handlers from before fit).
+        self._preemption.requeue(trainer)
 
     @override
     def on_exception(

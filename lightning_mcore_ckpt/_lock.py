@@ -34,6 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt import _atomic
+from lightning_mcore_ckpt._holders import (
+    JOB_ID_ENV,
+    alive_here,
+    describe_holder,
+    job_identity,
+    parse_holder,
+)
 
 __all__ = ["JOB_ID_ENV", "LOCK_FILE", "DirectoryLock", "job_identity"]
 
@@ -41,9 +48,6 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lightning_mcore_ckpt.lock"
 """The lock file in a checkpoint ``dirpath`` (host, pid, job and start time of the writing run)."""
-
-JOB_ID_ENV = "LIGHTNING_MCORE_CKPT_JOB_ID"
-"""Environment variable naming the job explicitly (it wins over what the scheduler sets)."""
 
 _CLAIM_WAIT_S = 10.0
 """How long to wait for another process that is taking over the same lock."""
@@ -53,63 +57,6 @@ _MAX_BYTES = 1 << 16
 
 _CLAIM_ORPHAN_S = 60.0
 """Age of a claim left by a process that died while taking over a lock (claims last ms)."""
-
-
-def job_identity(environ: Mapping[str, str] | None = None) -> str | None:
-    """The identity of the job this process belongs to, the same after a requeue; ``None``
-    outside a scheduler.
-
-    ``$LIGHTNING_MCORE_CKPT_JOB_ID`` when set; else SLURM's job (``slurm:<array job>_<task>`` for
-    an array task, ``slurm:<job id>`` otherwise); else TorchElastic's run id
-    (``torchelastic:<id>``, unless it is the default ``none``).
-
-    Example::
-
-        job_identity({"SLURM_JOB_ID": "4242"})  # 'slurm:4242'
-    """
-    env = os.environ if environ is None else environ
-    explicit = env.get(JOB_ID_ENV, "").strip()
-    if explicit:
-        return explicit
-    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
-    if array and task:
-        return f"slurm:{array}_{task}"
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm:{env['SLURM_JOB_ID']}"
-    run = env.get("TORCHELASTIC_RUN_ID", "")
-    if run and run.lower() != "none":
-        return f"torchelastic:{run}"
-    return None
-
-
-def _parse(data: bytes | None) -> dict[str, Any]:
-    try:
-        holder = json.loads(data or b"")
-    except ValueError:
-        return {}
-    return holder if isinstance(holder, dict) else {}
-
-
-def _describe(holder: Mapping[str, Any], age: float | None) -> str:
-    beat = "unknown" if age is None else f"{max(age, 0.0):.0f}s ago"
-    if not holder:
-        return f"an unreadable lock file, heartbeat {beat}"
-    return (
-        f"pid {holder.get('pid')} on {holder.get('host')}, job {holder.get('job_id')}, "
-        f"since {holder.get('started_at')}, heartbeat {beat}"
-    )
-
-
-def _alive_here(holder: Mapping[str, Any]) -> bool:
-    """Whether the holder, recorded on this host, still runs (the same process, not a reuse)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(int(holder.get("pid", -1)))
-        same = abs(proc.create_time() - float(holder.get("create_time", 0))) < 1.0
-        return same and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, ValueError, TypeError):
-        return False
 
 
 class DirectoryLock:
@@ -179,7 +126,7 @@ class DirectoryLock:
             current = self._read()
             if current is None:
                 continue  # released meanwhile: create it
-            holder, age = _parse(current[0]), time.time() - current[1]
+            holder, age = parse_holder(current[0]), time.time() - current[1]
             why = self._displaceable(holder, age)
             if why is None:
                 raise RuntimeError(self._refusal(holder, age))
@@ -195,14 +142,14 @@ class DirectoryLock:
     def _displaceable(self, holder: Mapping[str, Any], age: float) -> str | None:
         """Why the holder may be displaced ("gone", "requeued", "stale"), or ``None``."""
         if holder.get("host") == socket.gethostname():
-            return None if _alive_here(holder) else "gone"
+            return None if alive_here(holder) else "gone"
         if self.job_id is not None and holder.get("job_id") == self.job_id:
             return "requeued"
         return "stale" if age >= self.stale_after_s else None
 
     def _refusal(self, holder: Mapping[str, Any], age: float) -> str:
         return (
-            f"{self.path.parent} is in use by another run ({_describe(holder, age)}): two runs "
+            f"{self.path.parent} is in use by another run ({describe_holder(holder, age)}): two runs "
             "writing one directory would delete each other's checkpoints. Use another dirpath, "
             f"or stop that run; if it is dead, delete {self.path}. A lock from another host is "
             f"recovered once its heartbeat is {self.stale_after_s:.0f}s old, and at once by a "
@@ -219,7 +166,7 @@ class DirectoryLock:
         log.warning(
             "taking over the lock %s from a run that is gone (%s): %s",
             self.path,
-            _describe(holder, age),
+            describe_holder(holder, age),
             reason,
         )
 
@@ -239,15 +186,27 @@ class DirectoryLock:
             claim.unlink(missing_ok=True)
 
     def _wait_for_change(self, claim: Path, judged: bytes) -> bool:
-        # Another process holds the claim: it replaces the lock within milliseconds.
+        # Another process holds the claim: it replaces the lock within milliseconds. A claim
+        # whose process died holding it (killed in mid-release or mid-takeover) is removed,
+        # and the caller looks again: a process here that no longer runs, or an old claim.
         deadline = time.monotonic() + _CLAIM_WAIT_S
         while time.monotonic() < deadline:
             current = self._read()
             if current is None or current[0] != judged:
                 return False
+            try:
+                raw = claim.read_bytes()
+                age = time.time() - claim.stat().st_mtime
+            except OSError:
+                return False  # released meanwhile
+            claimant = parse_holder(raw)
+            here = claimant.get("host") == socket.gethostname()
+            if (here and not alive_here(claimant)) or age > _CLAIM_ORPHAN_S:
+                self._remove_dead_claim(claim, raw)
+                return False
             time.sleep(0.01)
         try:
-            claimant = _parse(claim.read_bytes())
+            claimant = parse_holder(claim.read_bytes())
         except OSError:
             claimant = {}
         raise RuntimeError(
@@ -255,6 +214,22 @@ class DirectoryLock:
             f"(pid {claimant.get('pid')} on {claimant.get('host')}), which has not finished in "
             f"{_CLAIM_WAIT_S:.0f}s. If no run is starting there, delete {claim}"
         )
+
+    def _remove_dead_claim(self, claim: Path, raw: bytes) -> None:
+        # Of the processes that found the same dead claim, the one that creates its tombstone
+        # (os.link: one winner) removes it. Nobody else can have re-created the claim before:
+        # its name is taken until then.
+        tombstone = claim.with_name(f"{claim.name}.dead-{hashlib.sha256(raw).hexdigest()[:16]}")
+        if not self._create(tombstone, raw):
+            return
+        try:
+            if claim.read_bytes() == raw:
+                log.warning("removing %s, left by a process that died holding it", claim)
+                claim.unlink()
+        except OSError:
+            pass
+        finally:
+            tombstone.unlink(missing_ok=True)
 
     # --- holding it -----------------------------------------------------------------------
 
@@ -310,8 +285,8 @@ class DirectoryLock:
         if current is None:
             now = f"{self.path} was deleted"
         else:
-            holder, age = _parse(current[0]), time.time() - current[1]
-            now = f"another run holds it now ({_describe(holder, age)})"
+            holder, age = parse_holder(current[0]), time.time() - current[1]
+            now = f"another run holds it now ({describe_holder(holder, age)})"
         self.lost = (
             f"this run lost the lock of {self.path.parent}: {now}. It writes no more "
             "checkpoints there; two runs writing one directory would delete each other's "

@@ -75,18 +75,20 @@ class MegatronCheckpoint(StepTriggers):
     ``throughput_gbps``, ``hf_export_time_s``; see :mod:`lightning_mcore_ckpt.metrics`) and
     recorded in the step's ``metadata.json``.
 
-    One run writes a ``dirpath`` at a time (:class:`~lightning_mcore_ckpt.layout.DirectoryLock`):
-    a second is refused before any work; a requeue of the same job takes over at once; a run
-    whose lock was taken over fails its next save instead of writing.
+    One run writes a ``dirpath`` at a time (:class:`~lightning_mcore_ckpt.layout.DirectoryLock`;
+    a requeue of the same job takes over at once). On SIGTERM or SIGUSR1 every rank finishes
+    the step, saves it and ``fit`` returns (then, under SLURM with Lightning's auto-requeue, the
+    job is requeued); :attr:`preempted` says so on every rank, and
+    ``sys.exit(checkpoint.exit_code)`` ends the script with :attr:`PREEMPTED_EXIT_CODE` (143).
 
     Example::
 
+        checkpoint = MegatronCheckpoint("checkpoints/run", every_n_train_steps=500, max_to_keep=3)
         trainer = L.Trainer(
-            strategy=MegatronStrategy(tensor_model_parallel_size=2),
-            callbacks=[MegatronCheckpoint("checkpoints/run", every_n_train_steps=500,
-                                          max_to_keep=3)],
+            strategy=MegatronStrategy(tensor_model_parallel_size=2), callbacks=[checkpoint]
         )
         trainer.fit(module, datamodule=dm, ckpt_path="last")
+        sys.exit(checkpoint.exit_code)  # 0, or 143 when preempted
     """
 
     FILE_EXTENSION = ""
@@ -178,9 +180,8 @@ class MegatronCheckpoint(StepTriggers):
             warnings.filters[:] = self._filters  # type: ignore[index]
             self._filters = None
         self._lock = acquire_lock(trainer, self._root, stage)
-        found, self._found_last = self._found_last, None
-        if found is not None:
-            agree_on_last(trainer, self._root, found)
+        agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
+        self._found_last = None
         self._resumed_step = None  # set by on_load_checkpoint when this fit resumes
         self._committer = Committer(
             self._root,
@@ -214,14 +215,14 @@ class MegatronCheckpoint(StepTriggers):
         if self._resumed_step is not None and self.restore_dataloader:
             _loops.refuse_unresumable_loader(trainer, str(self._root), self._resumed_step)
         if self.save_on_preemption:
-            self._preemption.install()
+            self._preemption.install(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # when="end": the final step gets its one export, also when it was saved by the cadence
         # or by an earlier run that stopped before exporting. A preempted fit is not the end.
         export = self.hf_export is not None and self.hf_export.when == "end"
-        if not export or trainer.global_step == 0 or self._preemption.signum is not None:
+        if not export or trainer.global_step == 0 or self.preempted:
             return
         from lightning_mcore_ckpt import hf
 
@@ -236,6 +237,10 @@ class MegatronCheckpoint(StepTriggers):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release(trainer)
+        # Under SLURM with Lightning's auto-requeue: the preempted step is committed (on_train_end)
+        # and the lock released (the requeued job may start at once, elsewhere): requeue now.
+        # SLURM then ends this job (Lightning has put back the handlers from before fit).
+        self._preemption.requeue(trainer)
 
     @override
     def on_exception(
@@ -356,7 +361,7 @@ class MegatronCheckpoint(StepTriggers):
             monitor=monitor,
             synchronous=self._synchronous,
             export=self._export_next,
-            preempted=self._preemption.signum is not None,
+            preempted=self.preempted,
         )
 
     # --- outcomes -------------------------------------------------------------------------

@@ -111,7 +111,10 @@ class CheckpointConfig:
     complete, and the tracker and older steps are untouched."""
     save_on_preemption: bool = True
     """On SIGTERM or SIGUSR1, finish the current step, save it synchronously and end ``fit``
-    cleanly, so that ``fit(ckpt_path="last")`` continues exactly."""
+    cleanly, so that ``fit(ckpt_path="last")`` continues exactly. Under SLURM with Lightning's
+    auto-requeue, its requeue signal also requeues the job, once the step is committed.
+    ``MegatronCheckpoint.preempted`` and ``exit_code`` tell the script. ``False``: Lightning's
+    own handling (its SLURM handler saves an ``hpc_ckpt`` from inside the signal handler)."""
     save_on_train_epoch_end: bool | None = None
     """As in Lightning: with ``every_n_epochs``, save at the end of the training epoch
     (``True``) or after validation (``False``); ``None`` decides as Lightning does."""

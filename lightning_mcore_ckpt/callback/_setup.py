@@ -101,15 +101,18 @@ def check_hf_export(export: HFExport, strategy: Any, pl_module: pl.LightningModu
     )
 
 
-def agree_on_last(trainer: pl.Trainer, root: Path, found: bool) -> None:
-    """``ckpt_path="last"``: every rank must see a step to resume, or none must. Collective.
+def agree_on_last(trainer: pl.Trainer, root: Path, found: bool | None) -> None:
+    """``ckpt_path="last"``: every rank must see a step to resume, or none must. Collective
+    (``found`` is ``None`` on every rank when the fit was not given ``"last"``: a no-op).
 
     Ranks that disagree (a ``dirpath`` that is not on a file system shared by all hosts) would
     load on some ranks only and wait for each other forever: every rank raises instead.
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if found is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() == 1:
         return
     seen: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, bool(found))

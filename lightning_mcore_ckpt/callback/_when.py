@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.callback import _loops
-from lightning_mcore_ckpt.callback._preemption import Preemption
+from lightning_mcore_ckpt.callback._preemption import PREEMPTED_EXIT_CODE, Preemption
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
 if TYPE_CHECKING:
@@ -44,6 +44,26 @@ class StepTriggers(ModelCheckpoint):
 
     save_last: bool
     hf_export: HFExport | None
+
+    PREEMPTED_EXIT_CODE: ClassVar[int] = PREEMPTED_EXIT_CODE
+    """143 (128 + SIGTERM): the :attr:`exit_code` of a preempted run, whichever signal it was."""
+
+    @property
+    def preempted(self) -> bool:
+        """Whether the last ``fit`` stopped because a preemption signal reached a rank (the
+        same on every rank). ``fit`` returns normally either way, as Lightning's does."""
+        return self._preemption.signum is not None
+
+    @property
+    def preemption_signal(self) -> str | None:
+        """The signal that stopped the last ``fit`` (``"SIGTERM"``, ``"SIGUSR1"``), or ``None``."""
+        return self._preemption.name
+
+    @property
+    def exit_code(self) -> int:
+        """What the script should exit with after ``fit``: :attr:`PREEMPTED_EXIT_CODE` when it
+        was preempted, else 0. ``sys.exit(checkpoint.exit_code)``."""
+        return self.PREEMPTED_EXIT_CODE if self.preempted else 0
 
     @property
     def _root(self) -> Path:
@@ -100,15 +120,19 @@ class StepTriggers(ModelCheckpoint):
         # The epoch's last batch: a step saved now would resume without the epoch-end hooks and
         # per-epoch LR schedulers; such saves wait until Lightning has closed the epoch.
         epoch_ends = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-        if self._preemption.installed and self._preemption.requested():
+        if self._preemption.poll():
             if trainer.is_global_zero:
                 log.warning(
-                    "%s received: saving step %d synchronously and stopping",
+                    "%s received: saving step %d synchronously and stopping%s",
                     self._preemption.name,
                     trainer.global_step,
+                    ", then requeueing the SLURM job" if self._preemption.requeues else "",
                 )
+            # The handlers stay installed until fit ends: a second signal during the save (the
+            # time limit's SIGTERM after SLURM's --signal warning) must not reach Lightning's
+            # SIGTERM handler, which runs a collective from inside the handler, on the
+            # signalled ranks alone.
             trainer.should_stop = True
-            self._preemption.uninstall()
             if not epoch_ends:
                 self._save_final(trainer, synchronous=True)
             return  # else on_train_end saves it, synchronously
@@ -164,7 +188,7 @@ class StepTriggers(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        preempted = self._preemption.signum is not None
+        preempted = self.preempted  # agreed: the same on every rank
         self._write_deferred(trainer, synchronous=preempted)
         export = self.hf_export is not None and self.hf_export.when == "end" and not preempted
         done = trainer.global_step == 0 or bool(getattr(trainer, "fast_dev_run", False))

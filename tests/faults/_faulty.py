@@ -189,11 +189,15 @@ def run(
     raise_at: tuple[int, int | None] | None = None,
     group_timeout_s: float | None = None,
     steal_lock_at: int | None = None,
+    slurm_job: str | None = None,
+    auto_requeue: bool | None = None,
 ) -> dict[str, Any]:
     """One run; returns where it started and ended, its losses and its gathered weights.
 
     ``raise_at=(step, rank)``: a training error after that step on that rank (``None``: every
     rank). ``group_timeout_s``: the process group's timeout (a hang becomes an error then).
+    ``slurm_job``: run as task ``rank`` of that SLURM job (srun's variables), so that Lightning
+    detects SLURM; ``auto_requeue``: pass ``SLURMEnvironment(auto_requeue=...)`` explicitly.
     """
     options = dict(locals())
     undo = inject(fault, rank)
@@ -218,6 +222,8 @@ def _run(
     raise_at: tuple[int, int | None] | None,
     group_timeout_s: float | None,
     steal_lock_at: int | None,
+    slurm_job: str | None,
+    auto_requeue: bool | None,
     **_: Any,
 ) -> dict[str, Any]:
     import datetime
@@ -229,6 +235,8 @@ def _run(
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
+    if slurm_job is not None:
+        os.environ.update(_srun_variables(slurm_job, rank, world_size))
     seen: dict[str, int] = {}
 
     class Watch(pl.Callback):
@@ -246,6 +254,11 @@ def _run(
             if trainer.global_step == steal_lock_at and rank == 0:
                 take_lock_as_a_requeue(Path(tmp, "ckpt"))
 
+    plugins = []
+    if auto_requeue is not None:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        plugins.append(SLURMEnvironment(auto_requeue=auto_requeue))
     torch.manual_seed(0)  # the shuffling loader's order
     module = TinyGPTModule(num_layers=num_layers)
     trainer = make_trainer(
@@ -268,6 +281,8 @@ def _run(
         enable_checkpointing=True,
         logger=CSVLogger(tmp, name="csv", version=f"run{os.getpid()}"),
         log_every_n_steps=1,
+        default_root_dir=tmp,  # where Lightning's SLURM handler would put its hpc checkpoint
+        plugins=plugins,
     )
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -282,6 +297,10 @@ def _run(
         "losses": [x.clone() for x in module.step_losses],
         "weights": gathered_weights(trainer),
         "failed_saves": callback.failed_saves,
+        "preempted": callback.preempted,
+        "preemption_signal": callback.preemption_signal,
+        "exit_code": callback.exit_code,
+        "environment": type(trainer.strategy.cluster_environment).__name__,
         "csv": str(Path(trainer.logger.log_dir) / "metrics.csv") if trainer.logger else None,
     }
 
@@ -296,6 +315,32 @@ def take_lock_as_a_requeue(root: Path) -> None:
     while layout.read_tracker(root) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     write_lock(root, job_id="slurm:4242")
+
+
+def _srun_variables(job_id: str, rank: int, world_size: int) -> dict[str, str]:
+    """What ``srun --ntasks-per-node=<world_size>`` sets for task ``rank`` on one node."""
+    return {
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NAME": "train",  # not "bash"/"interactive", which Lightning ignores
+        "SLURM_NTASKS": str(world_size),
+        "SLURM_NTASKS_PER_NODE": str(world_size),
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+    }
+
+
+def same_run(resumed: dict[str, Any], reference: dict[str, Any], start: int) -> None:
+    """``resumed`` started at step ``start`` and continued bit for bit like ``reference``."""
+    assert resumed["start"] == start
+    assert resumed["end"] == MAX_STEPS
+    expected = reference["losses"][start:]
+    assert len(resumed["losses"]) == len(expected)
+    for got, want in zip(resumed["losses"], expected, strict=True):
+        assert torch.equal(got, want)
+    for key, tensor in reference["weights"].items():
+        assert torch.equal(resumed["weights"][key], tensor), key
 
 
 def listing(tmp: str | Path) -> list[str]:

@@ -1,4 +1,5 @@
-"""Promises 1-3: a killed rank, a preempted job or a failing disk never costs a committed step.
+"""Promises 1 and 3: a killed rank or a failing disk never costs a committed step (promise 2,
+preemption, is test_preemption.py).
 
 Every case runs real Trainers in real processes on real files, injects the fault where it
 happens (see _faulty.py), then checks which files exist and which step the next
@@ -12,13 +13,11 @@ import csv
 import errno
 import re
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from _faulty import FAULT_STEP, MAX_STEPS, listing, train
+from _faulty import FAULT_STEP, MAX_STEPS, listing, same_run, train
 
 from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
@@ -35,17 +34,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One uninterrupted run (1 rank) with the same saves."""
     tmp = tmp_path_factory.mktemp("reference")
     return run_distributed(train, 1, str(tmp), None, timeout=200)[0]
-
-
-def _same_run(resumed: dict[str, Any], reference: dict[str, Any], start: int) -> None:
-    assert resumed["start"] == start
-    assert resumed["end"] == MAX_STEPS
-    expected = reference["losses"][start:]
-    assert len(resumed["losses"]) == len(expected)
-    for got, want in zip(resumed["losses"], expected, strict=True):
-        assert torch.equal(got, want)
-    for key, tensor in reference["weights"].items():
-        assert torch.equal(resumed["weights"][key], tensor), key
 
 
 # Kill point -> what is on disk after the crash -> the step "last" resumes from.
@@ -74,7 +62,7 @@ def test_sigkill_during_a_save_loses_nothing_committed(
     assert steps == on_disk
     assert LOCK in listing(tmp_path)  # left by the killed run; recovered below
     resumed = run_distributed(train, 1, str(tmp_path), None, timeout=200)[0]
-    _same_run(resumed, reference, resume_at)
+    same_run(resumed, reference, resume_at)
     # max_to_keep=1: only the final step remains; crashed leftovers were cleaned up.
     assert listing(tmp_path) == [f"global_step_{MAX_STEPS}", TRACKER]
 
@@ -91,7 +79,7 @@ def test_sigkill_while_the_async_writer_writes_loses_nothing(
         f"global_step_{FAULT_STEP}?",
     ]
     resumed = run_distributed(train, 1, str(tmp_path), None, {"async_save": True}, timeout=200)[0]
-    _same_run(resumed, reference, 2)
+    same_run(resumed, reference, 2)
 
 
 def test_sigkill_of_one_rank_of_two_loses_nothing(tmp_path: Path) -> None:
@@ -107,29 +95,7 @@ def test_sigkill_of_one_rank_of_two_loses_nothing(tmp_path: Path) -> None:
         f"global_step_{FAULT_STEP}?",
     ]
     resumed = run_distributed(train, 2, run, None, TP2, timeout=250)[0]
-    _same_run(resumed, full, 2)
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_preemption_saves_synchronously_and_exits_cleanly(tmp_path: Path, signum: int) -> None:
-    full = run_distributed(train, 2, str(tmp_path / "full"), None, TP2, timeout=250)[0]
-    run = str(tmp_path / "run")
-    # Only rank 1 gets the signal, after step 3 (not a save step), with async saves configured.
-    stopped = run_distributed(
-        train,
-        2,
-        run,
-        None,
-        {**TP2, "async_save": True, "max_to_keep": None, "signal_at": (3, signum, 1)},
-        timeout=250,
-    )
-    for r in stopped:
-        assert r["end"] == 3  # both ranks stopped after the same step, without an error
-    meta = layout.read_metadata(Path(run, "ckpt", "global_step_3"))
-    assert meta is not None and meta["async"] is False  # written before exiting
-    assert listing(run) == ["global_step_2", "global_step_3", TRACKER]  # lock released
-    resumed = run_distributed(train, 2, run, None, {**TP2, "async_save": True}, timeout=250)[0]
-    _same_run(resumed, full, 3)
+    same_run(resumed, full, 2)
 
 
 def _failed_metric(path: str) -> list[tuple[int, float]]:
@@ -154,7 +120,9 @@ def test_write_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
         message,
     ), message
     # The failed step never became complete; the tracker and the older step are untouched.
-    assert [n for n in listing(tmp_path) if n != LOCK] == [
+    # (The launcher kills the other rank once one fails: its lock, or the claim it took to
+    # remove it, may be left; the next run recovers either.)
+    assert [n for n in listing(tmp_path) if not n.startswith(LOCK)] == [
         "global_step_2",
         f"global_step_{FAULT_STEP}?",
         TRACKER,

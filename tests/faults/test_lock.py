@@ -7,6 +7,7 @@ whose lock is taken over between two saves.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -274,3 +275,48 @@ def test_a_run_whose_lock_was_taken_over_writes_no_more_steps(tmp_path: Path) ->
     assert listing(tmp_path) == [layout.LOCK_FILE, "global_step_2", layout.TRACKER_FILE]
     assert layout.read_tracker(root) == 2
     assert json.loads((root / layout.LOCK_FILE).read_text())["job_id"] == "slurm:4242"
+
+
+def test_a_claim_left_by_a_run_killed_while_releasing_its_lock_does_not_block_the_next(
+    tmp_path: Path,
+) -> None:
+    """Killed between taking the claim on its own lock and removing the lock (a scheduler's
+    SIGKILL at the end of a job): the next run takes over at once and the claim is gone."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from lightning_mcore_ckpt import layout; "
+            f"lock = layout.DirectoryLock({str(tmp_path)!r}); lock.acquire(); "
+            "assert lock._create(lock._claim_path(lock._data), lock._data); "
+            "print('claimed', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "claimed\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(list(tmp_path.glob(f"{layout.LOCK_FILE}.claim-*"))) == 1
+    started = time.monotonic()
+    lock = layout.DirectoryLock(tmp_path)
+    lock.acquire()
+    assert time.monotonic() - started < 5  # not the 10 s wait for a live claimant
+    assert json.loads((tmp_path / layout.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert list(tmp_path.glob(f"{layout.LOCK_FILE}.claim-*")) == []
+    lock.release()
+
+
+def test_an_old_claim_from_another_host_does_not_block_the_next_run(tmp_path: Path) -> None:
+    data = write_lock(tmp_path, heartbeat_age_s=3600)  # another host's, stale
+    claim = tmp_path / f"{layout.LOCK_FILE}.claim-{hashlib.sha256(data).hexdigest()[:16]}"
+    claim.write_bytes(data.replace(b"4242", b"4343"))  # a takeover by another host, never done
+    old = time.time() - 3600
+    os.utime(claim, (old, old))
+    lock = layout.DirectoryLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / layout.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not claim.exists()
+    lock.release()

@@ -1,0 +1,169 @@
+"""Promise 2: a preempted job saves the step it is on, ends cleanly, says so, and resumes exactly;
+under SLURM with Lightning's auto-requeue, the job is requeued once, after that step committed.
+
+Real processes get real signals (``signal_at`` in _faulty.py) and, for SLURM, srun's variables,
+so that Lightning itself detects SLURM and installs its requeue handler. ``scontrol`` is a fake,
+first on PATH, that records how it was called and what the checkpoint directory held then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _faulty import listing, same_run, train
+
+from lightning_mcore_ckpt import MegatronCheckpoint, layout
+from lightning_mcore_ckpt.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(300)
+
+TP2 = {"tp": 2}
+TRACKER = layout.TRACKER_FILE
+JOB = "4242"
+PREEMPTED_AT = 3  # not a save step (every 2)
+
+_SCONTROL = """#!{python}
+import json, os, sys
+from pathlib import Path
+
+root = Path(os.environ["FAKE_SCONTROL_CKPT"])
+tracker = root / {tracker!r}
+step = int(tracker.read_text()) if tracker.exists() else None
+with open(os.environ["FAKE_SCONTROL_LOG"], "a") as log:
+    log.write(json.dumps({{
+        "argv": sys.argv[1:],
+        "tracker": step,
+        "committed": step is not None
+        and (root / f"global_step_{{step}}" / {metadata!r}).exists(),
+        "locked": (root / {lock!r}).exists(),
+    }}) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One uninterrupted run on 2 ranks (TP=2) with the same saves, outside SLURM."""
+    tmp = tmp_path_factory.mktemp("reference")
+    return run_distributed(train, 2, str(tmp), None, TP2, timeout=250)[0]
+
+
+def _scontrol(tmp: Path) -> tuple[dict[str, str], Path]:
+    """A fake ``scontrol`` first on PATH: the ranks' environment, and the file it logs to."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(
+        _SCONTROL.format(
+            python=sys.executable,
+            tracker=TRACKER,
+            metadata=layout.METADATA_FILE,
+            lock=layout.LOCK_FILE,
+        )
+    )
+    script.chmod(0o755)
+    log = tmp / "scontrol.jsonl"
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SCONTROL_LOG": str(log),
+        "FAKE_SCONTROL_CKPT": str(tmp / "run" / "ckpt"),
+    }
+    return env, log
+
+
+def _calls(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _assert_preempted(results: list[dict[str, Any]], signum: int, environment: str) -> None:
+    for r in results:
+        assert r["environment"] == environment  # Lightning saw (or did not see) SLURM
+        assert r["end"] == PREEMPTED_AT  # every rank stopped after the same step, no error
+        assert r["preempted"] is True
+        assert r["preemption_signal"] == signal.Signals(signum).name
+        assert r["exit_code"] == MegatronCheckpoint.PREEMPTED_EXIT_CODE == 143
+
+
+def _assert_not_preempted(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert (r["preempted"], r["preemption_signal"], r["exit_code"]) == (False, None, 0)
+
+
+def _assert_saved_without_hpc(run: Path) -> None:
+    meta = layout.read_metadata(run / "ckpt" / f"global_step_{PREEMPTED_AT}")
+    assert meta is not None and meta["async"] is False  # written before exiting
+    assert listing(run) == ["global_step_2", f"global_step_{PREEMPTED_AT}", TRACKER]  # no lock
+    assert not list(run.glob("hpc_ckpt_*"))  # Lightning's own SLURM save was not made
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_saves_synchronously_and_exits_cleanly(
+    tmp_path: Path, signum: int, reference: dict[str, Any]
+) -> None:
+    _assert_not_preempted([reference])
+    env, log = _scontrol(tmp_path)
+    run = tmp_path / "run"
+    # Only rank 1 gets the signal, after step 3 (not a save step), with async saves configured.
+    options = {**TP2, "async_save": True, "max_to_keep": None}
+    signal_at = (PREEMPTED_AT, signum, 1)
+    stopped = run_distributed(
+        train, 2, str(run), None, {**options, "signal_at": signal_at}, timeout=250, env=env
+    )
+    _assert_preempted(stopped, signum, "LightningEnvironment")
+    _assert_saved_without_hpc(run)
+    assert _calls(log) == []  # not under SLURM: nothing is requeued
+    resumed = run_distributed(train, 2, str(run), None, options, timeout=250, env=env)
+    same_run(resumed[0], reference, PREEMPTED_AT)
+    _assert_not_preempted(resumed)
+
+
+def test_slurm_requeue_signal_requeues_the_job_once_its_step_is_committed(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    env, log = _scontrol(tmp_path)
+    run = tmp_path / "run"
+    slurm = {**TP2, "async_save": True, "max_to_keep": None, "slurm_job": JOB}
+    # SIGUSR1 is Lightning's default requeue signal; only rank 1 gets it (rank 0 requeues).
+    signal_at = (PREEMPTED_AT, signal.SIGUSR1, 1)
+    stopped = run_distributed(
+        train, 2, str(run), None, {**slurm, "signal_at": signal_at}, timeout=250, env=env
+    )
+    _assert_preempted(stopped, signal.SIGUSR1, "SLURMEnvironment")
+    _assert_saved_without_hpc(run)
+    # One call, by one rank, after the step was committed and the directory's lock released.
+    assert _calls(log) == [
+        {"argv": ["requeue", JOB], "tracker": PREEMPTED_AT, "committed": True, "locked": False}
+    ]
+    # The requeued job: same command, same job id, no signal.
+    resumed = run_distributed(train, 2, str(run), None, slurm, timeout=250, env=env)
+    same_run(resumed[0], reference, PREEMPTED_AT)
+    _assert_not_preempted(resumed)
+    assert len(_calls(log)) == 1
+
+
+@pytest.mark.parametrize(
+    ("signum", "auto_requeue"),
+    [(signal.SIGTERM, None), (signal.SIGUSR1, False)],
+    ids=["SIGTERM-auto_requeue", "SIGUSR1-no_auto_requeue"],
+)
+def test_slurm_preemption_without_requeue_signal_or_auto_requeue_only_saves(
+    tmp_path: Path, signum: int, auto_requeue: bool | None
+) -> None:
+    env, log = _scontrol(tmp_path)
+    run = tmp_path / "run"
+    options = {
+        **TP2,
+        "max_to_keep": None,
+        "slurm_job": JOB,
+        "auto_requeue": auto_requeue,  # None: detected, and on (Lightning's default)
+        "signal_at": (PREEMPTED_AT, signum, 0),
+    }
+    stopped = run_distributed(train, 2, str(run), None, options, timeout=250, env=env)
+    _assert_preempted(stopped, signum, "SLURMEnvironment")
+    _assert_saved_without_hpc(run)
+    assert _calls(log) == []

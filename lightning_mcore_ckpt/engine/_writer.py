@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_mcore_ckpt import _atomic, _compat, layout, retention
+from lightning_mcore_ckpt import _atomic, _compat, _safe_load, layout, retention
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
 from lightning_mcore_ckpt.engine._records import (
@@ -23,11 +25,14 @@ from lightning_mcore_ckpt.engine._requests import PendingSave, combine_async_req
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
     optimizer_sharded_state_dict,
+    refused_objects,
     stateless_params,
 )
 from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
 
 __all__ = ["CheckpointWriter"]
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointWriter:
@@ -71,6 +76,7 @@ class CheckpointWriter:
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
         self._listeners: list[SaveListener] = []
+        self._warned: set[str] = set()
 
     # --- listeners (local) ----------------------------------------------------------------
 
@@ -125,6 +131,7 @@ class CheckpointWriter:
         # plan and stage here, write (inline or in the background), then finalise. So both
         # measure the same phases.
         if "model" in contents:
+            self._warn_refused(f"{MODEL_DIR}/", lambda: refused_objects(model_ssd, MODEL_DIR))
             requests.append(
                 dist_checkpointing.save(
                     model_ssd,
@@ -135,12 +142,14 @@ class CheckpointWriter:
                 )
             )
         if "optimizer" in contents and state.optimizers:
+            # save() consumes the model's sharded dict; map the optimizer onto a new one.
+            optim_ssd = optimizer_sharded_state_dict(
+                state.optimizers, state.module, state.model_sharded_state_dict()
+            )
+            self._warn_refused(f"{OPTIM_DIR}/", lambda: refused_objects(optim_ssd, OPTIM_DIR))
             requests.append(
                 dist_checkpointing.save(
-                    # save() consumes the model's sharded dict; map the optimizer onto a new one.
-                    optimizer_sharded_state_dict(
-                        state.optimizers, state.module, state.model_sharded_state_dict()
-                    ),
+                    optim_ssd,
                     str(path / OPTIM_DIR),
                     sharded_strategy=self._save_strategy(),
                     async_sharded_save=True,
@@ -254,6 +263,24 @@ class CheckpointWriter:
         }
         target = directory / f"rank_{state.rank:05d}.pt"
         _atomic.write_with(target, lambda f: torch.save(payload, f))
+        self._warn_refused(
+            f"{EXTRA_DIR}/{target.name}", lambda: _safe_load.refused_in_extra(target, payload)
+        )
+
+    def _warn_refused(self, where: str, find: Callable[[], dict[str, list[str]]]) -> None:
+        """Warn, once per finding, when loading what is being saved will refuse part of it.
+
+        So that the user learns it at the first save rather than at resume. Never fails a save.
+        """
+        try:
+            parts = find()
+        except Exception as err:  # noqa: BLE001 - a check, not the save
+            log.debug("could not check %s for types a load refuses: %s", where, err)
+            return
+        finding = repr(sorted(parts.items()))
+        if parts and finding not in self._warned:
+            self._warned.add(finding)
+            log.warning("%s", _safe_load.save_warning(f"{where} of each step", parts))
 
     def _owners(self, path: Path) -> list[SaveListener]:
         return [listener for listener in self._listeners if listener.owns(path)]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt._version import __version__
 
 if TYPE_CHECKING:
+    from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
     from lightning_mcore_ckpt.hf import HFExport
@@ -34,6 +35,7 @@ __all__ = [
     "ResumeReport",
     "SaveOptions",
     "SaveRecord",
+    "UnsafeCheckpointError",
     "__version__",
     "check_resume",
 ]
@@ -48,6 +50,7 @@ _LAZY = {
     "ResumeReport": "lightning_mcore_ckpt.resume_check",
     "SaveOptions": "lightning_mcore_ckpt.engine",
     "SaveRecord": "lightning_mcore_ckpt.engine",
+    "UnsafeCheckpointError": "lightning_mcore_ckpt._safe_load",
     "check_resume": "lightning_mcore_ckpt.resume_check",
 }
 

@@ -3,6 +3,11 @@
 Implements ``torch.distributed.checkpoint.stateful.Stateful``. The state carries a ``version``;
 loading a state that lacks a key (an older format, or one saved without CUDA) warns and restores
 what is there instead of raising ``KeyError``.
+
+Version 2 holds only tensors, ints, floats and strings, so that it loads with
+``torch.load(weights_only=True)`` and no NumPy type allowed: NumPy's Mersenne Twister state is a
+``{"bit_generator", "key", "pos", "has_gauss", "gauss"}`` dict with its key as an int64 tensor
+(version 1 held NumPy's own tuple, with the key as an array; it still loads).
 """
 
 from __future__ import annotations
@@ -18,7 +23,25 @@ __all__ = ["RNG_STATE_VERSION", "RNGState"]
 
 log = logging.getLogger(__name__)
 
-RNG_STATE_VERSION = 1
+RNG_STATE_VERSION = 2
+
+
+def _numpy_state() -> dict[str, Any]:
+    state = np.random.get_state(legacy=False)
+    return {
+        "bit_generator": state["bit_generator"],
+        "key": torch.from_numpy(state["state"]["key"].astype(np.int64)),
+        "pos": int(state["state"]["pos"]),
+        "has_gauss": int(state["has_gauss"]),
+        "gauss": float(state["gauss"]),
+    }
+
+
+def _set_numpy_state(state: Any) -> None:
+    if isinstance(state, dict):  # version 2
+        key = state["key"].numpy().astype(np.uint32)
+        state = (state["bit_generator"], key, state["pos"], state["has_gauss"], state["gauss"])
+    np.random.set_state(state)
 
 
 class RNGState:
@@ -37,7 +60,7 @@ class RNGState:
         state: dict[str, Any] = {
             "version": RNG_STATE_VERSION,
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": _numpy_state(),
             "torch_cpu": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -63,7 +86,7 @@ class RNGState:
         else:
             missing.append("python")
         if "numpy" in state_dict:
-            np.random.set_state(state_dict["numpy"])
+            _set_numpy_state(state_dict["numpy"])
         else:
             missing.append("numpy")
         if "torch_cpu" in state_dict:

@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mcore_ckpt import _atomic
+from lightning_mcore_ckpt import _atomic, _safe_dcp, _safe_load
 from lightning_mcore_ckpt._lock import LOCK_FILE, DirectoryLock
 from lightning_mcore_ckpt._markers import (
     METADATA_FILE,
@@ -78,8 +78,9 @@ EXTRA_DIR = "extra"
 """Sub-directory of a step with one ``rank_<r>.pt`` per rank (RNG, Lightning's state)."""
 HF_DIR = "huggingface"
 """Sub-directory of a step with its Hugging Face export."""
-EXTRA_FORMAT_VERSION = 1
-"""Version of the ``extra/rank_<r>.pt`` payload."""
+EXTRA_FORMAT_VERSION = 2
+"""Version of the ``extra/rank_<r>.pt`` payload (2: the RNG state holds no NumPy array, so our
+own state loads with ``torch.load(weights_only=True)`` and no type allowed beyond torch's)."""
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 
 
@@ -187,9 +188,11 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
     if not index.is_file():
         return [f"{index} is missing"]
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        metadata = FileSystemReader(str(directory)).read_metadata()
+        metadata = _safe_dcp.read_dcp_metadata(directory, trusted=_safe_load.trusted_by_user())
+    except _safe_load.UnsafeCheckpointError:
+        # Not damage: whether it may be opened is decided when it is loaded, on every rank
+        # (refused there, unless the user trusts it), so "last" never skips it silently.
+        return []
     except Exception as err:  # noqa: BLE001 - any unreadable index is a damaged checkpoint
         return [f"{index} is unreadable ({type(err).__name__}: {err})"]
     needed: dict[str, int] = {}

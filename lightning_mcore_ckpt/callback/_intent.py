@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
 import math
-import socket
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mcore_ckpt import _compat, layout
-from lightning_mcore_ckpt.engine import SaveRecord
+from lightning_mcore_ckpt.engine import SaveRecord, record_metadata
 
 __all__ = ["Intent", "monitor_entry", "step_metadata"]
 
@@ -29,22 +26,9 @@ class Intent:
 
 def step_metadata(intent: Intent, record: SaveRecord) -> dict[str, Any]:
     """A step's ``metadata.json`` fields (its size and throughput are added at the commit)."""
-    return {
-        "format_version": layout.METADATA_FORMAT_VERSION,
-        "global_step": intent.step,
-        "epoch": intent.epoch,
-        "contents": list(intent.contents),
-        "monitor": intent.monitor,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "host": socket.gethostname(),
-        "versions": _compat.versions(),
-        "writer": record.writer,
-        "async": record.asynchronous,
-        "parallel_layout": record.parallel_layout,
-        "blocking_time_s": record.blocking_time_s,
-        "write_time_s": record.write_time_s,
-        "hf_export_time_s": None,
-    }
+    metadata = record_metadata(record, step=intent.step, epoch=intent.epoch)
+    metadata["contents"] = list(intent.contents)
+    return {**metadata, "monitor": intent.monitor, "hf_export_time_s": None}
 
 
 def monitor_entry(name: str | None, value: Any) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ delegates its ``save_checkpoint``, ``load_checkpoint`` and ``remove_checkpoint``
 
 from __future__ import annotations
 
-from lightning_mcore_ckpt.engine._durable import commit_step
+from lightning_mcore_ckpt.engine._durable import commit_step, record_metadata
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
     CONTENTS,
@@ -39,5 +39,6 @@ __all__ = [
     "commit_step",
     "holds_weights_only",
     "optimizer_sharded_state_dict",
+    "record_metadata",
     "stateless_params",
 ]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError
 
-__all__ = ["agree_on_failure", "broadcast", "describe_error", "distributed"]
+__all__ = ["agree_on_failure", "broadcast", "describe_error", "distributed", "first_failure"]
 
 
 def distributed() -> bool:
@@ -28,6 +28,24 @@ def broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def first_failure(message: str | None, rank: int, device: torch.device) -> tuple[int, str] | None:
+    """Collective: the lowest rank whose ``message`` is not ``None``, and its message.
+
+    ``None`` on every rank when no rank failed. Without a process group, this rank's.
+    """
+    if not distributed():
+        return None if message is None else (rank, message)
+    world = dist.get_world_size()
+    mine = torch.tensor([world if message is None else rank], device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    failed_rank = int(mine.item())
+    if failed_rank >= world:
+        return None
+    why = [message or ""]
+    dist.broadcast_object_list(why, src=failed_rank)
+    return failed_rank, why[0]
+
+
 def agree_on_failure(
     error: BaseException | None,
     path: Path,
@@ -41,16 +59,12 @@ def agree_on_failure(
     The error reported everywhere is the lowest failing rank's (for a shard write error,
     rank 0 is the one that holds every rank's details).
     """
-    world = dist.get_world_size()
-    mine = torch.tensor([world if error is None else rank], device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-    failed_rank = int(mine.item())
-    if failed_rank >= world:
+    found = first_failure(None if error is None else describe_error(error), rank, device)
+    if found is None:
         return None
-    why = [describe_error(error) if error is not None else ""]
-    dist.broadcast_object_list(why, src=failed_rank)
+    failed_rank, why = found
     headline = headline or f"checkpoint save to {path} failed while {phase}"
-    failure = CheckpointSaveError(f"{headline} (rank {failed_rank}): {why[0]}")
+    failure = CheckpointSaveError(f"{headline} (rank {failed_rank}): {why}")
     failure.__cause__ = error
     return failure
 

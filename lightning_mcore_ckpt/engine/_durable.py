@@ -24,7 +24,7 @@ from lightning_mcore_ckpt.engine._collectives import agree_on_failure, distribut
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError, SaveRecord
 from lightning_mcore_ckpt.layout import METADATA_FILE
 
-__all__ = ["commit_step", "commit_unowned"]
+__all__ = ["commit_step", "commit_unowned", "record_metadata"]
 
 
 def commit_step(
@@ -54,6 +54,24 @@ def commit_step(
     return filled
 
 
+def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, Any]:
+    """The ``metadata.json`` fields of a save, from its record (the commit adds the rest)."""
+    return {
+        "format_version": layout.METADATA_FORMAT_VERSION,
+        "global_step": step,
+        "epoch": epoch,
+        "contents": list(record.contents),
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "host": socket.gethostname(),
+        "versions": _compat.versions(),
+        "writer": record.writer,
+        "async": record.asynchronous,
+        "parallel_layout": record.parallel_layout,
+        "blocking_time_s": record.blocking_time_s,
+        "write_time_s": record.write_time_s,
+    }
+
+
 def commit_unowned(
     record: SaveRecord, step: Any, epoch: Any, device: torch.device
 ) -> CheckpointSaveError | None:
@@ -63,24 +81,8 @@ def commit_unowned(
     rank = dist.get_rank() if distributed() else 0
     if rank == 0:
         try:
-            commit_step(
-                record.path,
-                {
-                    "format_version": layout.METADATA_FORMAT_VERSION,
-                    "global_step": step,
-                    "epoch": epoch,
-                    "contents": list(record.contents),
-                    "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    "host": socket.gethostname(),
-                    "versions": _compat.versions(),
-                    "writer": record.writer,
-                    "async": record.asynchronous,
-                    "parallel_layout": record.parallel_layout,
-                    "blocking_time_s": record.blocking_time_s,
-                    "write_time_s": record.write_time_s,
-                    "manual": True,
-                },
-            )
+            metadata = record_metadata(record, step=step, epoch=epoch)
+            commit_step(record.path, {**metadata, "manual": True})
         except Exception as err:  # noqa: BLE001 - shared, then raised on every rank
             error = err
     if distributed():

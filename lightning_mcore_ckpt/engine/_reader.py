@@ -6,11 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, layout
+from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, _safe_dcp, _safe_load, layout
 from lightning_mcore_ckpt._rng import RNGState
-from lightning_mcore_ckpt.engine._collectives import broadcast
+from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
 from lightning_mcore_ckpt.engine._state_dicts import TrainingState, optimizer_sharded_state_dict
 from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
@@ -34,9 +32,16 @@ class CheckpointReader:
     """Reads a step directory's ``model/``, ``optim/`` and ``extra/`` into this rank's state.
 
     Collective methods (every rank calls them, in the same order): :meth:`resolve` (rank 0
-    resolves, then broadcasts), :meth:`load_weights` and :meth:`load_optimizers` (the shard
-    reads of Megatron-Core's dist-checkpointing). :meth:`load_extra` is local: each rank reads
-    its own ``extra/`` file (rank 0's when the layout changed).
+    resolves, then broadcasts), :meth:`check_extra` (each rank checks the ``extra/`` file it
+    will read, and every rank learns of any refusal), :meth:`load_weights` and
+    :meth:`load_optimizers` (the shard reads of Megatron-Core's dist-checkpointing).
+    :meth:`load_extra` is local: each rank reads its own ``extra/`` file (rank 0's when the
+    layout changed).
+
+    Nothing is unpickled from a step before it was checked (see ``_safe_load``): a file that
+    would import a type outside torch's ``weights_only`` allowlist is refused with
+    ``UnsafeCheckpointError``. ``trusted=True`` (the user's choice, see
+    ``_safe_load.trusted_by_user``) skips the checks and loads every pickle as torch would.
     """
 
     def __init__(self, *, parallel_load: bool = False) -> None:
@@ -89,17 +94,42 @@ class CheckpointReader:
                 log.info("ckpt_parallel_load needs CUDA; loading without it on CPU")
         return strategy
 
-    def check_shapes(self, model_dir: Path, state: TrainingState) -> None:
+    def check_extra(self, directory: Path, state: TrainingState, *, trusted: bool = False) -> None:
+        """Refuse, on every rank, an ``extra/`` file that any rank may not unpickle (collective).
+
+        Each rank loads the file it will read (as :meth:`load_extra` does, with
+        ``weights_only=True``); a refusal on any rank is raised on every rank, naming the file.
+        """
+        source = self._extra_source(directory, state.rank)
+        error: _safe_load.UnsafeCheckpointError | None = None
+        if source is not None and not trusted:
+            try:
+                _safe_load.load_torch_file(source)
+            except _safe_load.UnsafeCheckpointError as err:
+                error = err
+        found = first_failure(None if error is None else str(error), state.rank, state.device)
+        if error is not None:
+            raise error
+        if found is not None:
+            raise _safe_load.UnsafeCheckpointError(f"{found[1]} (found on rank {found[0]})")
+
+    @staticmethod
+    def _extra_source(directory: Path, rank: int) -> Path | None:
+        """The ``extra/`` file this rank reads: its own, else rank 0's (the layout changed)."""
+        if not directory.is_dir():
+            return None
+        own = directory / f"rank_{rank:05d}.pt"
+        return own if own.is_file() else directory / "rank_00000.pt"
+
+    def check_shapes(self, model_dir: Path, state: TrainingState, *, trusted: bool = False) -> None:
         """Name the first tensor whose shape differs between the checkpoint and the model."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-        from torch.distributed.checkpoint import FileSystemReader
 
+        index = _safe_dcp.read_dcp_metadata(model_dir, trusted=trusted)
         saved = {
             key: tuple(md.size)
-            for key, md in FileSystemReader(str(model_dir))
-            .read_metadata()
-            .state_dict_metadata.items()
+            for key, md in index.state_dict_metadata.items()
             if hasattr(md, "size")
         }
         ssd = state.model_sharded_state_dict()
@@ -121,11 +151,17 @@ class CheckpointReader:
                     "a model with the configuration it was saved with"
                 )
 
-    def load_weights(self, path: Path, state: TrainingState) -> None:
-        """Load ``path``'s ``model/`` into ``state.module``, resharded (collective)."""
+    def load_weights(self, path: Path, state: TrainingState, *, trusted: bool = False) -> None:
+        """Load ``path``'s ``model/`` into ``state.module``, resharded (collective).
+
+        Unless ``trusted``, its index and non-tensor objects are checked first (every rank
+        reads the same files, so every rank raises the same refusal).
+        """
         from megatron.core import dist_checkpointing
 
-        self.check_shapes(path / MODEL_DIR, state)
+        if not trusted:
+            _safe_dcp.check_dist_checkpoint(path / MODEL_DIR)
+        self.check_shapes(path / MODEL_DIR, state, trusted=trusted)
 
         loaded = dist_checkpointing.load(
             state.model_sharded_state_dict(),
@@ -134,10 +170,18 @@ class CheckpointReader:
         )
         state.module.load_state_dict(loaded, strict=state.strict)
 
-    def load_optimizers(self, directory: Path, state: TrainingState) -> None:
-        """Load an ``optim/`` directory into ``state.optimizers``, resharded (collective)."""
+    def load_optimizers(
+        self, directory: Path, state: TrainingState, *, trusted: bool = False
+    ) -> None:
+        """Load an ``optim/`` directory into ``state.optimizers``, resharded (collective).
+
+        Checked first unless ``trusted``, as in :meth:`load_weights`.
+        """
         from megatron.core import dist_checkpointing
         from megatron.core.optimizer import MegatronOptimizer
+
+        if not trusted:
+            _safe_dcp.check_dist_checkpoint(directory)
 
         model_ssd = state.model_sharded_state_dict()
         saved_keys: set[str] | None = None
@@ -152,7 +196,7 @@ class CheckpointReader:
             str(directory),
             sharded_strategy=self._load_strategy(directory),
         )
-        stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state)
+        stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         for idx, opt in enumerate(state.optimizers):
             if isinstance(opt, MegatronOptimizer):
                 opt.load_state_dict(loaded[f"optimizer_{idx}"])
@@ -163,38 +207,50 @@ class CheckpointReader:
                     _optim.drop_state(opt, stateless[idx])
 
     @staticmethod
-    def _saved_stateless(extra: Path, state: TrainingState) -> list[list[int]] | None:
+    def _saved_stateless(
+        extra: Path, state: TrainingState, trusted: bool
+    ) -> list[list[int]] | None:
         # This rank's record, when the layout is the one that saved it.
         own = extra / f"rank_{state.rank:05d}.pt"
         if not own.is_file():
             return None
-        payload = torch.load(own, map_location="cpu", weights_only=False)
+        payload = _safe_load.load_torch_file(own, trusted=trusted)
         if payload.get("parallel_layout") != state.parallel_layout:
             return None
         return payload.get("optimizer_stateless")
 
     def load_extra(
-        self, directory: Path, state: TrainingState, *, seed: int
+        self, directory: Path, state: TrainingState, *, seed: int, trusted: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Lightning's state and the RNG from an ``extra/`` directory (local).
 
         Restores the RNG (this rank's file, when the layout is the one that saved it), else
         re-derives it from ``seed`` and the saved step. Returns Lightning's checkpoint dict (with
         :data:`LOADED_FROM_KEY`) and the RNG state as loaded, to re-apply at the first resumed
-        batch; ``({}, None)`` when there is no ``extra/``.
+        batch; ``({}, None)`` when there is no ``extra/``. Loaded with ``weights_only=True``
+        unless ``trusted`` (see :meth:`check_extra`).
         """
-        if not directory.is_dir():
+        source = self._extra_source(directory, state.rank)
+        if source is None:
             log.warning("%s is missing: loops, callbacks and RNG start fresh", directory)
             return {}, None
         own = directory / f"rank_{state.rank:05d}.pt"
-        first = directory / "rank_00000.pt"
-        source = own if own.is_file() else first
-        payload = torch.load(source, map_location="cpu", weights_only=False)
+        payload = _safe_load.load_torch_file(source, trusted=trusted)
         version = payload.get("version", EXTRA_FORMAT_VERSION)
         if isinstance(version, int) and version > EXTRA_FORMAT_VERSION:
             raise ValueError(
                 f"{source} is in extra-state format {version}; this lightning-mcore-ckpt reads "
                 f"format {EXTRA_FORMAT_VERSION} and older. Upgrade lightning-mcore-ckpt to load it"
+            )
+        if isinstance(version, int) and version < 2 and state.rank == 0:
+            log.warning(
+                "%s is in extra-state format %d, which keeps NumPy's RNG state as a pickled "
+                "array: it is read with NumPy's array types allowed (they run no code). Steps "
+                "saved from now on are in format %d, whose own state needs nothing beyond "
+                "torch's weights_only allowlist",
+                directory.parent,
+                version,
+                EXTRA_FORMAT_VERSION,
             )
         saved_layout = payload.get("parallel_layout")
         lightning = dict(payload.get("lightning", {}))

@@ -3,18 +3,20 @@ writes and reads them, and the rank-local view of a training run the engine work
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import _optim
+from lightning_mcore_ckpt import _optim, _safe_load
 
 __all__ = [
     "TrainingState",
     "optimizer_sharded_state_dict",
+    "pickled_values",
+    "refused_objects",
     "stateless_params",
 ]
 
@@ -98,3 +100,39 @@ def optimizer_sharded_state_dict(
 def stateless_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[int]]:
     """Per optimizer, which parameters had no state (frozen, or never given a gradient)."""
     return [_optim.stateless_params(o) for o in optimizers]
+
+
+def pickled_values(sharded_state_dict: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """The values of a sharded state dict that Megatron-Core pickles, with where they sit.
+
+    Each ``ShardedObject``'s data and every value outside the sharded ones (the common state);
+    not tensors, nor plain numbers and strings (which any load accepts).
+    """
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedBase,
+        ShardedObject,
+    )
+
+    value = sharded_state_dict
+    if isinstance(value, ShardedObject):
+        yield from pickled_values(value.data, path)
+    elif isinstance(value, ShardedBase | LocalNonpersistentObject):
+        return
+    elif type(value) is dict:
+        for key, child in value.items():
+            yield from pickled_values(child, f"{path}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for index, child in enumerate(value):
+            yield from pickled_values(child, f"{path}[{index}]")
+    elif value is not None and not isinstance(value, bool | int | float | str | torch.Tensor):
+        yield path, value
+
+
+def refused_objects(sharded_state_dict: Any, name: str) -> dict[str, list[str]]:
+    """What of the objects Megatron-Core pickles in ``model/`` or ``optim/`` a load refuses.
+
+    ``{where: [globals]}`` (see ``_safe_load.unsafe_parts``), for the warning at save time.
+    """
+    values = dict(pickled_values(sharded_state_dict, name))
+    return _safe_load.unsafe_parts(values, name, named=True) if values else {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -11,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_mcore_ckpt import _atomic, _compat, layout, retention
-from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt import _compat, _safe_load, layout, retention
 from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors, save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
 from lightning_mcore_ckpt.engine._durable import commit_unowned
+from lightning_mcore_ckpt.engine._extra import RefusalWarnings, write_extra
 from lightning_mcore_ckpt.engine._records import (
     CheckpointSaveError,
     SaveListener,
@@ -31,9 +32,9 @@ from lightning_mcore_ckpt.engine._requests import (
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
     optimizer_sharded_state_dict,
-    stateless_params,
+    refused_objects,
 )
-from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 
 __all__ = ["CheckpointWriter"]
 
@@ -79,6 +80,7 @@ class CheckpointWriter:
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
         self._listeners: list[SaveListener] = []
+        self._refusals = RefusalWarnings()
 
     def add_listener(self, listener: SaveListener) -> None:
         """Register ``listener`` to be told how the saves of the paths it owns end."""
@@ -145,6 +147,10 @@ class CheckpointWriter:
             )
             parts.append((optim_ssd, path / OPTIM_DIR))
         for sharded_state_dict, directory in parts:
+            sub = directory.name
+            self._refusals.check(
+                f"{sub}/", functools.partial(refused_objects, sharded_state_dict, sub)
+            )
             strategy = save_strategy(self.parallel_save, kept)
             request = dist_checkpointing.save(
                 sharded_state_dict,
@@ -240,19 +246,9 @@ class CheckpointWriter:
         self, directory: Path, checkpoint: dict[str, Any], state: TrainingState
     ) -> None:
         """This rank's ``extra/rank_<r>.pt``: RNG, stateless parameters, Lightning's state."""
-        payload = {
-            "version": EXTRA_FORMAT_VERSION,
-            "rank": state.rank,
-            "parallel_layout": state.parallel_layout,
-            "rng": RNGState().state_dict(),
-            # Which parameters had no optimizer state (frozen, or never given a gradient).
-            "optimizer_stateless": stateless_params(state.optimizers),
-            "lightning": {
-                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
-            },
-        }
-        target = directory / f"rank_{state.rank:05d}.pt"
-        _atomic.write_with(target, lambda f: torch.save(payload, f))
+        target, payload = write_extra(directory, checkpoint, state)
+        where = f"{EXTRA_DIR}/{target.name}"
+        self._refusals.check(where, lambda: _safe_load.refused_in_extra(target, payload))
 
     def _owners(self, path: Path) -> list[SaveListener]:
         return [listener for listener in self._listeners if listener.owns(path)]

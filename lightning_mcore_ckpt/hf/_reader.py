@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from lightning_mcore_ckpt import _safe_dcp, _safe_load
 from lightning_mcore_ckpt.hf._names import EMBEDDING, LAYERS
 
 __all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
@@ -40,15 +41,22 @@ class CheckpointReader:
 
     def __init__(self, model_dir: Path) -> None:
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
         class IndexReadOnce(FileSystemReader):
-            # dcp.load reads the index at every call; an export makes one call per tensor.
+            # dcp.load reads the index at every call; an export makes one call per tensor. It is
+            # read without running code from it (torch's own read is a plain pickle.load), and
+            # SlicePlanner refuses every non-tensor object, so an export unpickles nothing.
             _index: Any = None
 
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
                 if self._index is None:
-                    self._index = super().read_metadata(*args, **kwargs)
+                    trusted = _safe_load.trusted_by_user()
+                    index = _safe_dcp.read_dcp_metadata(self.path, trusted=trusted)
+                    if getattr(index, "storage_meta", None) is None:
+                        index.storage_meta = StorageMeta()
+                    index.storage_meta.load_id = self.load_id
+                    self._index = index
                 return self._index
 
         self.dir = model_dir

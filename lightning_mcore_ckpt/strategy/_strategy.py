@@ -16,7 +16,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt import _safe_load, layout
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine import (
     CheckpointReader,
@@ -172,7 +172,8 @@ class MegatronStrategy(MegatronTrainingBase):
                 )
             hf.load_hf_weights(prefixes, init_from, self.model_sharded_state_dict)
         else:
-            self._load_weights(layout.resolve_checkpoint(init_from))
+            trusted = _safe_load.trusted_by_user()
+            self._load_weights(layout.resolve_checkpoint(init_from), trusted=trusted)
         self.barrier("MegatronStrategy.init_from")
         if self.global_rank == 0:
             log.info(
@@ -313,9 +314,18 @@ class MegatronStrategy(MegatronTrainingBase):
         Collective. Weights always; the optimizer only when fitting (so evaluation and export
         read no optimizer bytes); RNG and Lightning's state from ``extra/`` (this rank's file when
         the layout is unchanged, else rank 0's, and RNG is then re-derived from the seed).
+
+        Every pickle read is checked before it is unpickled, and one that would import a type
+        outside torch's ``weights_only`` allowlist is refused on every rank with
+        ``UnsafeCheckpointError``. ``weights_only=False``, or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``
+        in the environment when Lightning passes ``None``, loads it as trusted: unchecked.
         """
+        trusted = _safe_load.trusted_by_user(weights_only)
         path = self._reader.resolve(checkpoint_path, self.global_rank)
-        self._load_weights(path)
+        if trusted and self.global_rank == 0:
+            log.info("loading %s as trusted by the user: its pickles are not checked", path)
+        self._reader.check_extra(path / EXTRA_DIR, self._training_state(), trusted=trusted)
+        self._load_weights(path, trusted=trusted)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting and self.optimizers and holds_weights_only(path):
@@ -334,17 +344,19 @@ class MegatronStrategy(MegatronTrainingBase):
                     f"{path} has no {OPTIM_DIR}/ to resume the optimizer from; it was saved "
                     "without 'optimizer' in its contents"
                 )
-            self._load_optimizers(path / OPTIM_DIR)
-        return self._load_extra(path / EXTRA_DIR)
+            self._load_optimizers(path / OPTIM_DIR, trusted=trusted)
+        return self._load_extra(path / EXTRA_DIR, trusted=trusted)
 
-    def _load_weights(self, path: Path) -> None:
-        self._reader.load_weights(path, self._training_state())
+    def _load_weights(self, path: Path, *, trusted: bool = False) -> None:
+        self._reader.load_weights(path, self._training_state(), trusted=trusted)
 
-    def _load_optimizers(self, directory: Path) -> None:
-        self._reader.load_optimizers(directory, self._training_state())
+    def _load_optimizers(self, directory: Path, *, trusted: bool = False) -> None:
+        self._reader.load_optimizers(directory, self._training_state(), trusted=trusted)
 
-    def _load_extra(self, directory: Path) -> dict[str, Any]:
-        lightning, rng = self._reader.load_extra(directory, self._training_state(), seed=self.seed)
+    def _load_extra(self, directory: Path, *, trusted: bool = False) -> dict[str, Any]:
+        lightning, rng = self._reader.load_extra(
+            directory, self._training_state(), seed=self.seed, trusted=trusted
+        )
         if rng is not None:
             # Re-applied at the first resumed batch when it falls inside an epoch (see
             # on_train_batch_start).

@@ -105,8 +105,8 @@ def _strategy_class(broken: str) -> Any:
     class BrokenRestore(MegatronStrategy):
         """Restores a checkpoint with one piece deliberately left out."""
 
-        def _load_extra(self, directory: Any) -> dict[str, Any]:
-            state = super()._load_extra(directory)
+        def _load_extra(self, directory: Any, **kwargs: Any) -> dict[str, Any]:
+            state = super()._load_extra(directory, **kwargs)
             if broken == "rng":
                 torch.manual_seed(12345)
                 self._rng_at_load = None
@@ -119,12 +119,12 @@ def _strategy_class(broken: str) -> Any:
                 state["loops"]["fit_loop"]["state_dict"]["combined_loader"] = []
             return state
 
-        def _load_optimizers(self, directory: Any) -> None:
+        def _load_optimizers(self, directory: Any, **kwargs: Any) -> None:
             if broken == "optimizer":
                 for opt in self._torch_optimizers():
                     init_state(opt)
                 return
-            super()._load_optimizers(directory)
+            super()._load_optimizers(directory, **kwargs)
 
     return MegatronStrategy if broken == "none" else BrokenRestore
 

@@ -27,6 +27,8 @@ ALLOWED = {
     "lightning_mcore_ckpt._compat",
     "lightning_mcore_ckpt._cpu",
     "lightning_mcore_ckpt._parallel",
+    "lightning_mcore_ckpt._safe_dcp",
+    "lightning_mcore_ckpt._safe_load",
     "lightning_mcore_ckpt.layout",
 }
 PUBLIC = [

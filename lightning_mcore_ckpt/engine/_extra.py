@@ -1,0 +1,59 @@
+"""A rank's ``extra/rank_<r>.pt`` (RNG, stateless parameters, Lightning's state), and the warning
+a save gives once when a later load would refuse part of what it holds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt import _atomic, _safe_load
+from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt.engine._state_dicts import TrainingState, stateless_params
+from lightning_mcore_ckpt.layout import EXTRA_FORMAT_VERSION
+
+__all__ = ["RefusalWarnings", "write_extra"]
+
+log = logging.getLogger(__name__)
+
+
+def write_extra(
+    directory: Path, checkpoint: dict[str, Any], state: TrainingState
+) -> tuple[Path, dict[str, Any]]:
+    """Write this rank's ``extra/rank_<r>.pt`` durably; its path and payload."""
+    payload = {
+        "version": EXTRA_FORMAT_VERSION,
+        "rank": state.rank,
+        "parallel_layout": state.parallel_layout,
+        "rng": RNGState().state_dict(),
+        # Which parameters had no optimizer state (frozen, or never given a gradient).
+        "optimizer_stateless": stateless_params(state.optimizers),
+        "lightning": {
+            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+        },
+    }
+    target = directory / f"rank_{state.rank:05d}.pt"
+    _atomic.write_with(target, lambda f: torch.save(payload, f))
+    return target, payload
+
+
+class RefusalWarnings:
+    """Warns, once per finding, when loading what is being saved will refuse part of it, so that
+    the user learns it at the first save rather than at resume. Never fails a save."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def check(self, where: str, find: Callable[[], dict[str, list[str]]]) -> None:
+        try:
+            parts = find()
+        except Exception as err:  # noqa: BLE001 - a check, not the save
+            log.debug("could not check %s for types a load refuses: %s", where, err)
+            return
+        finding = repr(sorted(parts.items()))
+        if parts and finding not in self._warned:
+            self._warned.add(finding)
+            log.warning("%s", _safe_load.save_warning(f"{where} of each step", parts))

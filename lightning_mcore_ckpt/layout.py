@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,7 @@ EXTRA_FORMAT_VERSION = 2
 """Version of the ``extra/rank_<r>.pt`` payload (2: the RNG state holds no NumPy array, so our
 own state loads with ``torch.load(weights_only=True)`` and no type allowed beyond torch's)."""
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
+_SUBDIRS = {MODEL_DIR: "model", OPTIM_DIR: "optimizer", EXTRA_DIR: "extra", HF_DIR: "hf_model"}
 
 
 @dataclass(frozen=True, order=True)
@@ -211,7 +213,7 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
     return problems
 
 
-def verify_step(path: str | os.PathLike[str]) -> list[str]:
+def verify_step(path: str | os.PathLike[str], reading: Iterable[str] | None = None) -> list[str]:
     """What is wrong with a step directory: missing or truncated files ([] when it is whole).
 
     Checks, without loading tensors: the commit marker; every file its ``files`` list names
@@ -231,9 +233,14 @@ def verify_step(path: str | os.PathLike[str]) -> list[str]:
     if meta is None:
         return [f"{p / METADATA_FILE} is missing or not valid JSON"]
     contents = meta.get("contents", ["model"])
+    if reading is not None:  # a load that reads only these (e.g. evaluation: no optimizer)
+        contents = [c for c in contents if c in set(reading)]
+    skipped = {sub for sub, c in _SUBDIRS.items() if c not in contents}
     problems = []
     files = meta.get("files")
     for name, size in sorted(files.items()) if isinstance(files, dict) else ():
+        if name.split("/", 1)[0] in skipped:
+            continue
         file = p / name
         if not file.is_file():
             problems.append(f"{file} is missing")
@@ -255,7 +262,9 @@ def verify_step(path: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
-def resolve_last(dirpath: str | os.PathLike[str], verify: bool = True) -> Path | None:
+def resolve_last(
+    dirpath: str | os.PathLike[str], verify: bool = True, reading: Iterable[str] | None = None
+) -> Path | None:
     """The newest complete, undamaged step under ``dirpath``, or ``None`` when there is none.
 
     The tracker is trusted when it names a complete step that is the newest complete one; when
@@ -284,7 +293,7 @@ def resolve_last(dirpath: str | os.PathLike[str], verify: bool = True) -> Path |
         found = newest.path.name if newest is not None else "none"
         log.warning("%s; newest complete step by scan: %s", why, found)
     for candidate in reversed(complete):
-        problems = verify_step(candidate.path) if verify else []
+        problems = verify_step(candidate.path, reading) if verify else []
         if not problems:
             return candidate.path
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
@@ -302,7 +311,7 @@ def _describe_complete(root: Path) -> str:
     return ", ".join(names) if names else "none"
 
 
-def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+def resolve_checkpoint(path: str | os.PathLike[str], reading: Iterable[str] | None = None) -> Path:
     """Resolve what a user passed as ``ckpt_path``: a step directory or a checkpoint ``dirpath``.
 
     A ``dirpath`` (no ``model/`` inside) resolves to its newest complete step. A step directory
@@ -331,20 +340,25 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
                 f"never finished); complete steps in {parent}: {_describe_complete(parent)}. "
                 "Pass one of them, or ckpt_path='last'"
             )
-        problems = verify_step(p) if is_complete(p) else _verify_dist_checkpoint(p / MODEL_DIR)
+        whole = is_complete(p)
+        problems = verify_step(p, reading) if whole else _verify_dist_checkpoint(p / MODEL_DIR)
         if problems:
             listed = "\n  ".join(problems[:10])
-            intact = [s.path.name for s in complete_steps(parent) if not verify_step(s.path)]
+            intact = [
+                s.path.name for s in complete_steps(parent) if not verify_step(s.path, reading)
+            ]
             raise FileNotFoundError(
                 f"checkpoint {p} is damaged:\n  {listed}\ncomplete undamaged steps in {parent}: "
                 f"{', '.join(intact) or 'none'}. Pass one of them, or ckpt_path='last' (which "
                 "skips damaged steps)"
             )
         return p
-    newest = resolve_last(p)
+    newest = resolve_last(p, reading=reading)
     complete = complete_steps(p)
     if newest is None and complete:
-        damage = "\n  ".join(f"{s.path.name}: {verify_step(s.path)[0]}" for s in complete[-10:])
+        damage = "\n  ".join(
+            f"{s.path.name}: {verify_step(s.path, reading)[0]}" for s in complete[-10:]
+        )
         raise FileNotFoundError(
             f"every complete step under {p} is damaged:\n  {damage}\nrestore the files from a "
             "copy, or start a new run in a new dirpath"

@@ -2,11 +2,10 @@
 
 Lightning decides *when* (its hooks, triggers and timers) and *which* (top-k, best and last
 paths, scores, its ``state_dict``, the loggers' notification). This class overrides only *how*:
-a step is a directory written through the strategy and committed by the
-:class:`~lightning_mcore_ckpt.callback._commit.Committer` (``_save_checkpoint``), it is named
-``global_step_<N>`` (``format_checkpoint_name``), found by the tracker (``_find_last_checkpoints``)
-and deleted once its replacement is committed (``_remove_checkpoint``). What must differ from
-Lightning is listed in ``docs/checkpoint.md``.
+a step is a directory written through the strategy and committed by the ``Committer``
+(``_save_checkpoint``), named ``global_step_<N>`` (``format_checkpoint_name``), found by the
+tracker (``_find_last_checkpoints``) and deleted once its replacement is committed
+(``_remove_checkpoint``). What must differ from Lightning is listed in ``docs/checkpoint.md``.
 """
 
 from __future__ import annotations
@@ -171,14 +170,13 @@ class MegatronCheckpoint(StepTriggers):
         # Not Lightning's: it resolves dirpath (fixed here at construction) and warns that the
         # directory is not empty, which is how every resumed run starts. The lock is our check.
         if not isinstance(trainer.strategy, MegatronStrategy):
+            got = type(trainer.strategy).__name__
             raise TypeError(
-                f"MegatronCheckpoint needs Trainer(strategy=MegatronStrategy(...)), got "
-                f"{type(trainer.strategy).__name__}"
+                f"MegatronCheckpoint needs Trainer(strategy=MegatronStrategy()), got {got}"
             )
         refuse_uploading_loggers(trainer.loggers, str(self._root))
         if self._filters is not None:  # see _find_last_checkpoints
-            warnings.filters[:] = self._filters  # type: ignore[index]
-            self._filters = None
+            warnings.filters[:], self._filters = self._filters, None  # type: ignore[index]
         self._lock = acquire_lock(trainer, self._root, stage)
         agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
         self._found_last = None
@@ -337,10 +335,12 @@ class MegatronCheckpoint(StepTriggers):
 
     @override
     def _should_remove_checkpoint(self, trainer: pl.Trainer, previous: str, current: str) -> bool:
-        # "last" is a step here, not a copy: the previous last may still be one Lightning keeps.
-        if previous in self.best_k_models or previous == self.best_model_path:
-            return False
-        if self.monitor is None and self.save_top_k == -1:
+        # "last" is a step here, not a copy: the previous last may still be one Lightning keeps;
+        # nor is the step resumed from deleted (trainer.ckpt_path is dirpath, for "last").
+        resumed = self._resumed_step
+        kept = [*self.best_k_models, self.best_model_path]
+        kept += [] if resumed is None else [str(layout.step_dir(self._root, resumed))]
+        if previous in kept or (self.monitor is None and self.save_top_k == -1):
             return False
         return super()._should_remove_checkpoint(trainer, previous, current)
 

@@ -48,16 +48,19 @@ class CheckpointReader:
         self.parallel_load = parallel_load
         """Spread the reads across data-parallel ranks (CUDA only; ignored on CPU)."""
 
-    def resolve(self, checkpoint_path: Any, rank: int) -> Path:
+    def resolve(
+        self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
+    ) -> Path:
         """The step directory ``checkpoint_path`` names (a step, or a directory of steps).
 
         Collective: rank 0 resolves it and every rank gets its answer (or the same
-        ``FileNotFoundError``). Checks that it is a step directory this version can read.
+        ``FileNotFoundError``). Checks that it is a step directory this version can read, and
+        undamaged in what the load reads (``reading``: contents; ``None``: all of it).
         """
         problem = resolved = None
         if rank == 0:
             try:
-                resolved = str(layout.resolve_checkpoint(checkpoint_path))
+                resolved = str(layout.resolve_checkpoint(checkpoint_path, reading))
             except FileNotFoundError as err:
                 problem = str(err)
         resolved, problem = broadcast((resolved, problem))

@@ -55,7 +55,8 @@ class StrategyConfig:
     """Spread the reads across data-parallel ranks (CUDA only; ignored with an info message on
     CPU)."""
     process_group_backend: str | None = None
-    """``"nccl"`` or ``"gloo"``; default nccl with CUDA, gloo without."""
+    """``"nccl"`` or ``"gloo"``; default: nccl when the ranks train on GPUs, gloo with
+    ``accelerator="cpu"`` (also on a machine with GPUs). ``"nccl"`` with CPU devices is refused."""
     timeout: datetime.timedelta = field(default=default_pg_timeout)
     """Timeout of the process groups' collectives."""
     init_from: str | os.PathLike[str] | None = None

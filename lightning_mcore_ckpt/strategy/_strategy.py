@@ -321,13 +321,15 @@ class MegatronStrategy(MegatronTrainingBase):
         in the environment when Lightning passes ``None``, loads it as trusted: unchecked.
         """
         trusted = _safe_load.trusted_by_user(weights_only)
-        path = self._reader.resolve(checkpoint_path, self.global_rank)
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # Evaluation reads no optimizer bytes: damage there does not stop it.
+        reading = None if fitting else ("model", "extra")
+        path = self._reader.resolve(checkpoint_path, self.global_rank, reading)
         if trusted and self.global_rank == 0:
             log.info("loading %s as trusted by the user: its pickles are not checked", path)
         self._reader.check_extra(path / EXTRA_DIR, self._training_state(), trusted=trusted)
         self._load_weights(path, trusted=trusted)
-        assert self.lightning_module is not None
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting and self.optimizers and holds_weights_only(path):
             # Weights and nothing else (e.g. from `lightning-mcore-ckpt import`): training
             # starts from them, with a fresh optimizer and step 0.

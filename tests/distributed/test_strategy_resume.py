@@ -70,6 +70,7 @@ def test_resume_from_saved_step_is_bit_identical(tmp_path: Path, world_size: int
     assert results[0]["files"] == [
         "global_step_3/.lightning_mcore_ckpt",  # the start marker
         "global_step_3/extra",
+        "global_step_3/metadata.json",  # a save by hand commits itself
         "global_step_3/model",
         "global_step_3/optim",
     ]

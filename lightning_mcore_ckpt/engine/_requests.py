@@ -80,8 +80,29 @@ def stop_writers(queue: Any) -> None:
     nothing (their saves stay uncommitted). Local; logs what goes wrong, raises nothing."""
     try:
         for call in list(getattr(queue, "async_calls", ())):
-            call.async_caller.close(abort=True)  # kills the writer process
+            # The writer process and the worker processes it started (megatron-core 0.16 writes
+            # with processes, 0.19 with threads): none may write after this returns.
+            process = getattr(call.async_caller, "process", None)
+            if process is not None and process.pid is not None:
+                _kill_tree(process.pid)
+            call.async_caller.close(abort=True)  # kills (already dead) and forgets the writer
         getattr(queue, "async_calls", []).clear()
         queue.close(abort=True)
     except Exception as err:  # noqa: BLE001 - logged: the run's own error propagates
         log.error("stopping the async checkpoint writer: %s", err)
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)

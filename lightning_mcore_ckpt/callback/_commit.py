@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt import layout, retention
 from lightning_mcore_ckpt.callback._export import export_into_committed
 from lightning_mcore_ckpt.callback._intent import Intent, step_metadata
-from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord, commit_step
+from lightning_mcore_ckpt.engine import (
+    CheckpointSaveError,
+    SaveOptions,
+    SaveRecord,
+    commit_step,
+    cpu_group,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,7 +91,6 @@ class Committer:
         self._commits: list[tuple[Path, Future[dict[str, Any]], bool]] = []
         # Every rank: the commits and exports whose outcome is not known yet (the same list).
         self._awaiting: list[Path] = []
-        self._group: Any = None
 
     # --- writing a step (every rank) -------------------------------------------------------
 
@@ -257,13 +262,10 @@ class Committer:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return outcomes
-        if self._group is None:
-            # Over a CPU (gloo) group: on the GPU it would synchronise the device at every step
-            # that a commit is in flight. Created at the same call on every rank.
-            cpu = dist.get_backend() == "gloo"
-            self._group = dist.group.WORLD if cpu else dist.new_group(backend="gloo")
+        # Over a CPU (gloo) group: on the GPU it would synchronise the device at every step
+        # that a commit is in flight. Created (once per process) at the same call on every rank.
         box = [outcomes]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.broadcast_object_list(box, src=0, group=cpu_group())
         return list(box[0])
 
     def _drain(self) -> None:

@@ -63,9 +63,10 @@ class Preemption:
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # The flag travels over a CPU (gloo) group: an all-reduce on the GPU would
-            # synchronise the device at every step. The default group when it is gloo.
-            cpu = dist.get_backend() == "gloo"
-            self._group = dist.group.WORLD if cpu else dist.new_group(backend="gloo")
+            # synchronise the device at every step.
+            from lightning_mcore_ckpt.engine import cpu_group
+
+            self._group = cpu_group()
         # Lightning's SLURM auto-requeue listens to SLURMEnvironment.requeue_signal (SIGUSR1
         # unless configured): it is a preemption signal too. It goes first, so that when it
         # and SIGTERM both arrive the job is requeued.

@@ -9,6 +9,7 @@ delegates its ``save_checkpoint``, ``load_checkpoint`` and ``remove_checkpoint``
 
 from __future__ import annotations
 
+from lightning_mcore_ckpt.engine._collectives import cpu_group
 from lightning_mcore_ckpt.engine._durable import commit_step, record_metadata
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
@@ -37,6 +38,7 @@ __all__ = [
     "SaveRecord",
     "TrainingState",
     "commit_step",
+    "cpu_group",
     "holds_weights_only",
     "optimizer_sharded_state_dict",
     "record_metadata",

@@ -11,12 +11,35 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError
 
-__all__ = ["agree_on_failure", "broadcast", "describe_error", "distributed", "first_failure"]
+__all__ = [
+    "agree_on_failure",
+    "broadcast",
+    "cpu_group",
+    "describe_error",
+    "distributed",
+    "first_failure",
+]
 
 
 def distributed() -> bool:
     """Whether the default process group is up."""
     return dist.is_available() and dist.is_initialized()
+
+
+_CPU_GROUPS: dict[Any, Any] = {}
+
+
+def cpu_group() -> Any:
+    """A gloo group of every rank, for small flags exchanged at every step: the default group
+    when it is gloo, else one created once per default group (collective the first time: every
+    rank calls it at the same point). On the GPU, the same exchange over NCCL would synchronise
+    the device."""
+    world = dist.group.WORLD
+    if dist.get_backend() == "gloo":
+        return world
+    if world not in _CPU_GROUPS:
+        _CPU_GROUPS[world] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[world]
 
 
 def broadcast(obj: Any) -> Any:

@@ -47,6 +47,7 @@ strategy loads plainly, see :func:`parallel_load_supported`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -113,6 +114,7 @@ def install() -> bool:
             _patch_memory_buffer()
             _patch_dist_checkpointing()
             _patch_autocast()
+            _patch_tensor_type_checks()
             _installed = True
     return True
 
@@ -138,6 +140,13 @@ _MODULES_ON_CPU = (
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.utils",
 )
 
 
@@ -176,6 +185,40 @@ class _CpuCuda(types.SimpleNamespace):
     def manual_seed(seed: int) -> None:
         torch.default_generator.manual_seed(int(seed))
 
+    # Megatron DDP overlaps its gradient reductions on a side stream; on CPU there is one.
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def default_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+class _CpuStream:
+    """The CPU's only "stream": work is ordered already, waits and records are no-ops."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
 
 class _TorchWithCpuCuda(types.ModuleType):
     """``torch`` as seen by one Megatron module, with ``torch.cuda`` replaced by :class:`_CpuCuda`."""
@@ -195,6 +238,19 @@ class _TorchWithCpuCuda(types.ModuleType):
     @staticmethod
     def empty(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return torch.empty(*args, device=_on_cpu(device), **kwargs)
+
+    # The optimizers, the grad scaler and gradient clipping keep flags and norms on "cuda".
+    @staticmethod
+    def tensor(data: Any, *, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def ones(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.ones(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def arange(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.arange(*args, device=_on_cpu(device), **kwargs)
 
 
 def _on_cpu(device: Any) -> Any:
@@ -322,3 +378,49 @@ def _patch_autocast() -> None:
             continue  # not decorated as expected: leave it as it is
         fn.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
         fn.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))
+
+
+# --- "torch.cuda.FloatTensor" type checks -----------------------------------------------------
+
+# Megatron-Core's mixed-precision and distributed optimizers sort parameters by the legacy type
+# string (``param.type() == "torch.cuda.FloatTensor"``) and gradient clipping asserts it. Inside
+# these functions only, and only on the thread running them, a CPU tensor reports the CUDA type
+# string of its dtype; everywhere else ``Tensor.type`` is unchanged.
+_TYPE_CHECKING_FUNCTIONS = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+    ("megatron.core.optimizer.clip_grads", None, "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
+)
+
+_as_cuda = threading.local()
+
+
+def _reporting_cuda_types(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_as_cuda, "depth", 0)
+        _as_cuda.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _as_cuda.depth = depth
+
+    return wrapper
+
+
+def _patch_tensor_type_checks() -> None:
+    stock_type = torch.Tensor.type
+
+    @functools.wraps(stock_type)
+    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = stock_type(self, *args, **kwargs)
+        if args or kwargs or not getattr(_as_cuda, "depth", 0) or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = tensor_type  # type: ignore[method-assign,assignment]
+    for module_name, owner_name, name in _TYPE_CHECKING_FUNCTIONS:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        setattr(owner, name, _reporting_cuda_types(getattr(owner, name)))

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["init_state", "load_sharded", "saved_state_keys", "sharded_state_dict"]
+__all__ = [
+    "init_state",
+    "load_sharded",
+    "restore_steps_from_groups",
+    "saved_state_keys",
+    "sharded_state_dict",
+]
 
 _SCALAR_PREFIX = "scalar_"
 _OUTSIDE = "outside_optimizer."
@@ -247,3 +253,27 @@ def load_sharded(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> No
                     else value
                 )
     optimizer.load_state_dict(loaded)
+
+
+def restore_steps_from_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter its own ``step`` again after Megatron-Core's distributed optimizer
+    loaded torch Adam's state.
+
+    Without Apex or Transformer Engine, Megatron's ``DistributedOptimizer`` steps a torch
+    ``AdamW`` and saves its step count in the parameter groups (``group["step"]``). Its
+    ``load_state_dict`` then gives every parameter the same ``step`` tensor, which each
+    parameter's update increments (the count then grows by the number of parameters at every
+    step, and bias correction is wrong), and the count it loads is not always the saved one.
+    This sets each parameter's ``step`` to a tensor of its own holding the saved count, and
+    removes the count from the groups, as an uninterrupted run has them. Optimizers that keep
+    no per-parameter step (fused Adam) are left as they are.
+    """
+    for group in optimizer.param_groups:
+        states = [
+            optimizer.state[p] for p in group["params"] if "step" in optimizer.state.get(p, {})
+        ]
+        if "step" not in group or not states:
+            continue  # e.g. Transformer Engine's FusedAdam: the group's count is its own
+        count = float(group.pop("step"))
+        for state in states:
+            state["step"] = torch.tensor(count, dtype=torch.float32)

@@ -13,10 +13,11 @@ Example::
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lightning_mcore_ckpt._tiny_hf import TINY_SEQ_LEN, TINY_VOCAB, tiny_hf_model, tiny_hf_qwen2
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -29,16 +30,14 @@ __all__ = [
     "TinyGPTModule",
     "TokenDataModule",
     "TokenDataset",
+    "megatron_ddp",
+    "megatron_optimizer",
+    "step_lr",
     "tiny_gpt",
     "tiny_gpt_config",
     "tiny_hf_model",
     "tiny_hf_qwen2",
 ]
-
-TINY_VOCAB = 128
-"""Vocabulary size of :func:`tiny_gpt` (divisible by any tensor-parallel size up to 8)."""
-TINY_SEQ_LEN = 16
-"""Maximum sequence length of :func:`tiny_gpt`."""
 
 
 def tiny_gpt_config(**overrides: Any) -> TransformerConfig:
@@ -105,86 +104,6 @@ def tiny_gpt(
     )
 
 
-def _tiny_tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<unk>"]
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = {tok: i for i, tok in enumerate(specials + letters)}
-    word = 0
-    while len(vocab) < vocab_size:
-        vocab.setdefault(f"w{word}", len(vocab))
-        word += 1
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    # Words are joined by spaces when decoding (transformers 5 no longer adds them itself).
-    tok.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-
-
-def tiny_hf_model(
-    path: str | os.PathLike[str],
-    family: str = "qwen2",
-    *,
-    vocab_size: int = TINY_VOCAB,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    tie_word_embeddings: bool = False,
-    max_shard_size: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Path:
-    """Write a randomly initialised Hugging Face causal LM (with tokenizer) to ``path``.
-
-    ``family`` is ``"qwen2"`` (biased QKV) or ``"llama"``. ``max_shard_size`` (e.g. ``"100KB"``)
-    splits the weights into shards with an index, as large models are published. The directory
-    loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline. Returns
-    ``path``.
-
-    Example::
-
-        path = tiny_hf_model("/tmp/llama", "llama", tie_word_embeddings=True)
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-    if family not in families:
-        raise ValueError(f"tiny_hf_model(family={family!r}): use one of {sorted(families)}")
-    config_cls, model_cls = families[family]
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    config = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=TINY_SEQ_LEN * 8,
-        tie_word_embeddings=tie_word_embeddings,
-        dtype=dtype,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config).to(dtype)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out, safe_serialization=True, **kwargs)
-    tokenizer = _tiny_tokenizer(vocab_size)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def tiny_hf_qwen2(path: str | os.PathLike[str], **kwargs: Any) -> Path:
-    """:func:`tiny_hf_model` of the Qwen2 family."""
-    return tiny_hf_model(path, "qwen2", **kwargs)
-
-
 class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """``num_samples`` fixed random token sequences: ``(inputs, labels)`` shifted by one.
 
@@ -203,6 +122,71 @@ class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = self.tokens[index]
         return row[:-1], row[1:]
+
+
+OPTIMIZERS = ("adamw", "megatron", "distributed")
+"""``TinyGPTModule(optimizer=...)``: torch AdamW; Megatron-Core's optimizer over Megatron DDP;
+the same with Megatron's distributed optimizer (state sharded across data-parallel ranks)."""
+
+_BF16: dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16}
+
+
+def megatron_ddp(model: Any, *, distributed_optimizer: bool, bf16: bool = False) -> Any:
+    """``model`` as Megatron-LM trains it: in ``Float16Module`` when its weights are bf16,
+    inside Megatron-Core ``DistributedDataParallel`` (gradients in fp32 buffers, reduced over the
+    data-parallel group; sharded with the distributed optimizer). Checkpoint keys do not change.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if bf16:
+        model = Float16Module(model.config, model)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def megatron_optimizer(
+    model: Any, *, lr: float, weight_decay: float, distributed_optimizer: bool, bf16: bool = False
+) -> Any:
+    """Megatron-Core's Adam over the :func:`megatron_ddp` ``model`` (fp32 main parameters for
+    bf16 weights; gradients clipped to norm 1)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        use_distributed_optimizer=distributed_optimizer,
+        bf16=bf16,
+        clip_grad=1.0,
+    )
+    return get_megatron_optimizer(config, [model])
+
+
+def step_lr(optimizer: Any, step_size: int, gamma: float) -> Any:
+    """``torch.optim.lr_scheduler.StepLR`` of a torch or Megatron-Core optimizer.
+
+    A Megatron-Core optimizer is not a ``torch.optim.Optimizer``; its learning rates live in the
+    parameter groups of the torch optimizers inside it, which its ``param_groups`` returns. The
+    scheduler steps those groups and names the Megatron optimizer as its own, as Lightning
+    expects of a scheduler returned with it.
+    """
+    from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
+    if not isinstance(optimizer, MegatronOptimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
+    chained = (
+        optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    )
+    if len(chained) != 1:
+        raise ValueError(f"step_lr: one inner optimizer expected, found {len(chained)}")
+    scheduler = torch.optim.lr_scheduler.StepLR(
+        chained[0].optimizer, step_size=step_size, gamma=gamma
+    )
+    scheduler.optimizer = optimizer
+    return scheduler
 
 
 def _datamodule_base() -> type:
@@ -259,8 +243,22 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         trainer.fit(TinyGPTModule(), train_dataloaders=DataLoader(TokenDataset(64), batch_size=4))
     """
 
-    def __init__(self, lr: float = 1e-3, dropout: float = 0.1, num_layers: int = 2) -> None:
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        dropout: float = 0.1,
+        num_layers: int = 2,
+        optimizer: str = "adamw",
+        megatron_bf16: bool = False,
+    ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"TinyGPTModule(optimizer={optimizer!r}): use one of {OPTIMIZERS}")
+        if megatron_bf16 and optimizer == "adamw":
+            raise ValueError(
+                "TinyGPTModule(megatron_bf16=True) keeps fp32 main parameters in a Megatron-Core "
+                "optimizer: pass optimizer='megatron' or 'distributed'"
+            )
         self.save_hyperparameters()
         self.gpt: Any = None
         self.step_losses: list[torch.Tensor] = []
@@ -274,7 +272,14 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
             attention_dropout=self.hparams.dropout,
             num_layers=self.hparams.num_layers,
             sequence_parallel=getattr(strategy, "sequence_parallel", False),
+            **(_BF16 if self.hparams.megatron_bf16 else {}),
         )
+        if self.hparams.optimizer != "adamw":
+            self.gpt = megatron_ddp(
+                self.gpt,
+                distributed_optimizer=self.hparams.optimizer == "distributed",
+                bf16=self.hparams.megatron_bf16,
+            )
 
     def _net(self) -> Any:
         return self.gpt
@@ -333,11 +338,20 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         return loss
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        optimizer: Any
+        if self.hparams.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        else:
+            optimizer = megatron_optimizer(
+                self.gpt,
+                lr=self.hparams.lr,
+                weight_decay=0.01,
+                distributed_optimizer=self.hparams.optimizer == "distributed",
+                bf16=self.hparams.megatron_bf16,
+            )
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+            "lr_scheduler": {"scheduler": step_lr(optimizer, 2, 0.5), "interval": "step"},
         }
 
 

@@ -69,6 +69,7 @@ def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, A
         "parallel_layout": record.parallel_layout,
         "blocking_time_s": record.blocking_time_s,
         "write_time_s": record.write_time_s,
+        **({"optimizer_sharding": record.optimizer_sharding} if record.optimizer_sharding else {}),
     }
 
 

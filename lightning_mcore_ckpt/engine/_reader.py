@@ -6,11 +6,19 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, _safe_dcp, _safe_load, layout
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
-from lightning_mcore_ckpt.engine._state_dicts import TrainingState, optimizer_sharded_state_dict
+from lightning_mcore_ckpt.engine._state_dicts import (
+    TrainingState,
+    distributed_optimizers,
+    megatron_optimizer_metadata,
+    optimizer_sharded_state_dict,
+    to_module_keys,
+)
 from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
 
 __all__ = ["CheckpointReader", "holds_weights_only"]
@@ -171,7 +179,7 @@ class CheckpointReader:
             str(path / MODEL_DIR),
             sharded_strategy=self._load_strategy(path / MODEL_DIR),
         )
-        state.module.load_state_dict(loaded, strict=state.strict)
+        state.module.load_state_dict(to_module_keys(state.module, loaded), strict=state.strict)
 
     def load_optimizers(
         self, directory: Path, state: TrainingState, *, trusted: bool = False
@@ -194,20 +202,67 @@ class CheckpointReader:
                     saved_keys = _optim.saved_state_keys(directory)
                 # State for exactly the parameters that had it when saved (not frozen ones).
                 _optim.init_state(opt, model_ssd, saved_keys)
+        for dist_opt in distributed_optimizers(state.optimizers):
+            # Megatron reads the state's step count before loading into it: create the state
+            # with a zero-learning-rate step (no main parameter moves).
+            if not dist_opt.optimizer.state:
+                _optim.init_state(dist_opt.optimizer)
+        metadata = self._optimizer_format(directory, state)
         loaded = dist_checkpointing.load(
-            optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, True),
+            optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, True, metadata),
             str(directory),
             sharded_strategy=self._load_strategy(directory),
         )
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         for idx, opt in enumerate(state.optimizers):
             if isinstance(opt, MegatronOptimizer):
-                opt.load_state_dict(loaded[f"optimizer_{idx}"])
+                # Its fp32 main parameters are views of the model's (leaves that need grad).
+                with torch.no_grad():
+                    opt.load_state_dict(loaded[f"optimizer_{idx}"])
+                for dist_opt in distributed_optimizers([opt]):
+                    _optim.restore_steps_from_groups(dist_opt.optimizer)
             else:
                 _optim.load_sharded(opt, loaded[f"optimizer_{idx}"])
                 if stateless is not None and idx < len(stateless):
                     # Slices saved as zeros only to complete a stacked tensor: no state again.
                     _optim.drop_state(opt, stateless[idx])
+
+    @staticmethod
+    def _optimizer_format(directory: Path, state: TrainingState) -> dict[str, Any]:
+        """What Megatron-Core's optimizers are told to load ``directory`` with: the metadata it
+        was saved with (its sharding type), whatever this run saves with. A distributed
+        optimizer state saved ``dp_reshardable`` loads only into the same tensor-, pipeline-,
+        context- and expert-parallel sizes: another layout is refused here, naming the fix."""
+        from megatron.core import dist_checkpointing
+
+        if not distributed_optimizers(state.optimizers):
+            return megatron_optimizer_metadata(state.optimizer_sharding)
+        saved = dist_checkpointing.load_content_metadata(str(directory))
+        metadata = dict(saved or megatron_optimizer_metadata(state.optimizer_sharding))
+        sharding = metadata.get("distrib_optim_sharding_type")
+        if sharding not in ("dp_reshardable", "fully_reshardable"):
+            raise ValueError(
+                f"checkpoint {directory.parent}: its distributed optimizer state has sharding "
+                f"type {sharding!r}, which this version cannot load; load the weights only "
+                "(a step without optim/) or save it again with an older version"
+            )
+        saved_layout = (layout.read_metadata(directory.parent) or {}).get("parallel_layout")
+        if sharding == "dp_reshardable" and saved_layout:
+            differs = {
+                name: (saved_layout.get(name), size)
+                for name, size in state.parallel_layout.items()
+                if name != "data_parallel_size" and saved_layout.get(name, size) != size
+            }
+            if differs:
+                what = ", ".join(f"{n}={a} saved, {b} now" for n, (a, b) in differs.items())
+                raise ValueError(
+                    f"checkpoint {directory.parent}: its distributed optimizer state was saved "
+                    f"with ckpt_optimizer_sharding='dp_reshardable', which reshards across "
+                    f"data-parallel sizes only ({what}); resume with the saving layout, or save "
+                    "with MegatronStrategy(ckpt_optimizer_sharding='fully_reshardable') to "
+                    "change layouts"
+                )
+        return metadata
 
     @staticmethod
     def _saved_stateless(

@@ -70,6 +70,9 @@ class SaveRecord:
     """From the start of the save until it was durable everywhere, on the slowest rank."""
     finalized_at: float
     """``time.perf_counter()`` on this rank when the save became durable everywhere."""
+    optimizer_sharding: str | None = None
+    """The sharding type a Megatron-Core distributed optimizer's state was saved with (``None``:
+    no distributed optimizer in this save)."""
 
 
 @runtime_checkable

@@ -14,10 +14,14 @@ from lightning_mcore_ckpt import _optim, _safe_load
 
 __all__ = [
     "TrainingState",
+    "distributed_optimizers",
+    "megatron_optimizer_metadata",
     "optimizer_sharded_state_dict",
+    "optimizers_to_save",
     "pickled_values",
     "refused_objects",
     "stateless_params",
+    "to_module_keys",
 ]
 
 
@@ -43,6 +47,9 @@ class TrainingState:
     """The parallel sizes of this run, as recorded in checkpoints."""
     strict: bool = True
     """Whether loading the weights requires every key of the module."""
+    optimizer_sharding: str = "dp_reshardable"
+    """How a Megatron-Core distributed optimizer's state is saved (its
+    ``distrib_optim_sharding_type``): ``"dp_reshardable"`` or ``"fully_reshardable"``."""
 
 
 def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, Any]:
@@ -65,10 +72,68 @@ def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str
             out[key] = ShardedTensor.from_rank_offsets(key, tensor, replica_id=rank)
     for name, child in module.named_children():
         if isinstance(child, MegatronModule):
-            out.update(child.sharded_state_dict(prefix=f"{prefix}{name}."))
+            inner, _ = _unwrap(child)
+            out.update(inner.sharded_state_dict(prefix=f"{prefix}{name}."))
         else:
             out.update(_module_sharded_state_dict(child, f"{prefix}{name}."))
     return out
+
+
+def _unwrap(module: torch.nn.Module) -> tuple[Any, str]:
+    """The model inside Megatron-Core's training wrappers (``DistributedDataParallel``,
+    ``Float16Module``) and the attribute path to it (``"module.module."``), as Megatron-LM
+    unwraps it before saving: checkpoint keys do not depend on how the model is wrapped."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    path = ""
+    while isinstance(module, DistributedDataParallel | Float16Module):
+        module, path = module.module, f"{path}module."
+    return module, path
+
+
+def to_module_keys(module: torch.nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (keys of :func:`_module_sharded_state_dict`) with the keys ``module``'s
+    own ``load_state_dict`` expects: wrapped models' attribute paths put back."""
+    from megatron.core.transformer.module import MegatronModule
+
+    renames: dict[str, str] = {}
+    for name, child in module.named_modules():
+        if isinstance(child, MegatronModule) and name:
+            _, path = _unwrap(child)
+            outer = f"{name}."
+            if path and not any(outer.startswith(src) for src in renames):
+                renames[outer] = f"{outer}{path}"
+    if not renames:
+        return state_dict
+    out = {}
+    for key, value in state_dict.items():
+        src = next((s for s in renames if key.startswith(s)), None)
+        out[renames[src] + key[len(src) :] if src else key] = value
+    return out
+
+
+def megatron_optimizer_metadata(sharding: str) -> dict[str, Any]:
+    """What Megatron-Core's optimizers are told when their sharded state dict is built.
+
+    The same as Megatron-LM's training loop passes (``_build_sharded_state_dict_metadata``):
+    the distributed optimizer's sharding type, and no ``chained_<i>.`` key prefix for a
+    fully reshardable state. It is saved as the ``optim/`` directory's content metadata and
+    read back from there on load: a step always loads with the format it was written in.
+    """
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+
+
+def distributed_optimizers(optimizers: Sequence[Any]) -> list[Any]:
+    """The Megatron-Core ``DistributedOptimizer`` instances among ``optimizers`` (chained or not)."""
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    found: list[Any] = []
+    for opt in optimizers:
+        inner = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
+        found.extend(o for o in inner if isinstance(o, DistributedOptimizer))
+    return found
 
 
 def optimizer_sharded_state_dict(
@@ -76,20 +141,25 @@ def optimizer_sharded_state_dict(
     module: torch.nn.Module,
     model_ssd: dict[str, Any],
     is_loading: bool = False,
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The optimizers' state mapped onto ``model_ssd`` (``optimizer_<i>`` each).
 
     Parameters of ``module`` that no optimizer holds (frozen ones) are saved with the first
-    torch optimizer, so that a later run that trains them finds their slots.
+    torch optimizer, so that a later run that trains them finds their slots. Megatron-Core
+    optimizers build theirs with ``metadata`` (:func:`megatron_optimizer_metadata`).
     """
     from megatron.core.optimizer import MegatronOptimizer
 
     out: dict[str, Any] = {}
     held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     outside = [p for p in module.parameters() if id(p) not in held]
+    metadata = megatron_optimizer_metadata("dp_reshardable") if metadata is None else metadata
     for idx, opt in enumerate(optimizers):
         if isinstance(opt, MegatronOptimizer):
-            out[f"optimizer_{idx}"] = opt.sharded_state_dict(model_ssd, is_loading=is_loading)
+            out[f"optimizer_{idx}"] = opt.sharded_state_dict(
+                model_ssd, is_loading=is_loading, metadata=metadata
+            )
         else:
             out[f"optimizer_{idx}"] = _optim.sharded_state_dict(
                 opt, model_ssd, outside if idx == 0 else ()
@@ -97,9 +167,31 @@ def optimizer_sharded_state_dict(
     return out
 
 
+def optimizers_to_save(
+    state: TrainingState,
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """The optimizers' sharded state dict for a save, the content metadata saved with it, and
+    the distributed optimizer's sharding type for ``metadata.json`` (``None``: there is none).
+
+    Saving consumes the model's sharded dict: the optimizers are mapped onto a new one.
+    """
+    metadata = megatron_optimizer_metadata(state.optimizer_sharding)
+    ssd = optimizer_sharded_state_dict(
+        state.optimizers, state.module, state.model_sharded_state_dict(), False, metadata
+    )
+    sharding = state.optimizer_sharding if distributed_optimizers(state.optimizers) else None
+    return ssd, metadata, sharding
+
+
 def stateless_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[int]]:
-    """Per optimizer, which parameters had no state (frozen, or never given a gradient)."""
-    return [_optim.stateless_params(o) for o in optimizers]
+    """Per torch optimizer, which parameters had no state (frozen, or never given a gradient).
+
+    Megatron-Core optimizers keep state for every parameter they hold: none listed."""
+    from megatron.core.optimizer import MegatronOptimizer
+
+    return [
+        [] if isinstance(o, MegatronOptimizer) else _optim.stateless_params(o) for o in optimizers
+    ]
 
 
 def pickled_values(sharded_state_dict: Any, path: str) -> Iterator[tuple[str, Any]]:

@@ -31,7 +31,7 @@ from lightning_mcore_ckpt.engine._requests import (
 )
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
-    optimizer_sharded_state_dict,
+    optimizers_to_save,
     refused_objects,
 )
 from lightning_mcore_ckpt.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
@@ -137,16 +137,14 @@ class CheckpointWriter:
         # Sync and async saves take the same path (as dist_checkpointing.save does internally):
         # plan and stage here, write (inline or in the background), then finalise. So both
         # measure the same phases.
-        parts = []
+        parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
         if "model" in contents:
-            parts.append((model_ssd, path / MODEL_DIR))
+            parts.append((model_ssd, path / MODEL_DIR, None))
+        sharding = None
         if "optimizer" in contents and state.optimizers:
-            # save() consumes the model's sharded dict; map the optimizer onto a new one.
-            optim_ssd = optimizer_sharded_state_dict(
-                state.optimizers, state.module, state.model_sharded_state_dict()
-            )
-            parts.append((optim_ssd, path / OPTIM_DIR))
-        for sharded_state_dict, directory in parts:
+            optim_ssd, optim_meta, sharding = optimizers_to_save(state)
+            parts.append((optim_ssd, path / OPTIM_DIR, optim_meta))
+        for sharded_state_dict, directory, content_metadata in parts:
             sub = directory.name
             self._refusals.check(
                 f"{sub}/", functools.partial(refused_objects, sharded_state_dict, sub)
@@ -157,6 +155,7 @@ class CheckpointWriter:
                 str(directory),
                 sharded_strategy=strategy,
                 async_sharded_save=True,
+                content_metadata=content_metadata,
                 **_compat.save_kwargs(),
             )
             if request is not None:
@@ -184,6 +183,7 @@ class CheckpointWriter:
             "asynchronous": async_save,
             "writer": _compat.async_strategy(),
             "parallel_layout": state.parallel_layout,
+            "optimizer_sharding": sharding,
         }
         timings = {"start": start, "extra_write_s": extra_write_s}
         if async_save:

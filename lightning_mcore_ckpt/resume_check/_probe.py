@@ -118,10 +118,28 @@ def sample_fingerprints(batch: Any) -> list[str]:
     return [digest([t[i] for t in rows])[:8] for i in range(size)]
 
 
+def _optimizer_state(optimizer: Any) -> Any:
+    """Everything an optimizer holds. A Megatron-Core optimizer's ``state_dict()`` leaves out
+    its parameter state (and cannot be taken before its first step): its grad scaler, each
+    inner torch optimizer's state (moments, steps, learning rates) and the main parameters it
+    steps (the fp32 copies of bf16 weights, or this rank's shard of them)."""
+    from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
+    inner = getattr(optimizer, "_optimizer", optimizer)  # under a LightningOptimizer
+    if not isinstance(inner, MegatronOptimizer):
+        return optimizer.state_dict()
+    chained = inner.chained_optimizers if isinstance(inner, ChainedOptimizer) else [inner]
+    return [
+        [o.grad_scaler.state_dict() for o in chained if getattr(o, "grad_scaler", None)],
+        [o.optimizer.state_dict() for o in chained],
+        [[p for g in o.optimizer.param_groups for p in g["params"]] for o in chained],
+    ]
+
+
 def _state_digests(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, str]:
     return {
         "weights": digest([p for _, p in sorted(module.named_parameters())]),
-        "optimizer": digest([o.state_dict() for o in trainer.optimizers]),
+        "optimizer": digest([_optimizer_state(o) for o in trainer.optimizers]),
         "scheduler": digest(
             [
                 [c.scheduler.state_dict(), [g["lr"] for g in c.scheduler.optimizer.param_groups]]

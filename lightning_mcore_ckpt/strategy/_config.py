@@ -12,7 +12,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_mcore_ckpt.layout import MODEL_DIR
 
-__all__ = ["StrategyConfig"]
+__all__ = ["OPTIMIZER_SHARDINGS", "StrategyConfig"]
+
+OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+"""The values of ``ckpt_optimizer_sharding``."""
 
 
 def _check_size(name: str, value: Any) -> None:
@@ -54,6 +57,15 @@ class StrategyConfig:
     ckpt_parallel_load: bool = False
     """Spread the reads across data-parallel ranks (CUDA only; ignored with an info message on
     CPU)."""
+    ckpt_optimizer_sharding: str = "dp_reshardable"
+    """How a Megatron-Core distributed optimizer's state is saved (Megatron-LM's
+    ``distrib_optim_sharding_type``). ``"dp_reshardable"``: each rank writes its own slice of
+    the optimizer buffers, no communication; loads into any data-parallel size, but only the
+    same tensor/pipeline/context/expert-parallel sizes. ``"fully_reshardable"``: the state is
+    gathered on each data-parallel group's first rank and saved per parameter, like the
+    weights: loads into any layout, at the cost of that gather (memory and time on those ranks)
+    at every save. A step always loads with the type it was saved with; torch optimizers are
+    not affected (their state always reshards)."""
     process_group_backend: str | None = None
     """``"nccl"`` or ``"gloo"``; default: nccl when the ranks train on GPUs, gloo with
     ``accelerator="cpu"`` (also on a machine with GPUs). ``"nccl"`` with CPU devices is refused."""
@@ -91,6 +103,11 @@ class StrategyConfig:
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"MegatronStrategy(seed={seed!r}): must be a non-negative int")
+        if self.ckpt_optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ValueError(
+                f"MegatronStrategy(ckpt_optimizer_sharding={self.ckpt_optimizer_sharding!r}): "
+                f"use one of {', '.join(map(repr, OPTIMIZER_SHARDINGS))}"
+            )
         if self.process_group_backend not in (None, "nccl", "gloo"):
             raise ValueError(
                 f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "

@@ -80,6 +80,7 @@ class MegatronStrategy(MegatronTrainingBase):
         ckpt_async_save: bool = False,
         ckpt_parallel_save: bool = True,
         ckpt_parallel_load: bool = False,
+        ckpt_optimizer_sharding: str = "dp_reshardable",
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
         init_from: str | os.PathLike[str] | None = None,
@@ -94,6 +95,7 @@ class MegatronStrategy(MegatronTrainingBase):
             ckpt_async_save=ckpt_async_save,
             ckpt_parallel_save=ckpt_parallel_save,
             ckpt_parallel_load=ckpt_parallel_load,
+            ckpt_optimizer_sharding=ckpt_optimizer_sharding,
             process_group_backend=process_group_backend,
             timeout=timeout,
             init_from=init_from,
@@ -221,6 +223,7 @@ class MegatronStrategy(MegatronTrainingBase):
             device=self.root_device,
             parallel_layout=self.parallel_layout(),
             strict=module.strict_loading,
+            optimizer_sharding=self.config.ckpt_optimizer_sharding,
         )
 
     # --- checkpoint: save -----------------------------------------------------------------

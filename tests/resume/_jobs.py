@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset
+from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset, step_lr
 
 BATCH = 2
 
@@ -89,9 +89,14 @@ class JobModule(TinyGPTModule):
             params = [p for p in self.parameters() if p.requires_grad]
         else:
             params = list(self.parameters())
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.01)
+        optimizer: Any
+        if self.hparams.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.01)
+        else:
+            # Megatron DDP holds only the trainable parameters: "trainable_only" is implied.
+            optimizer = super().configure_optimizers()["optimizer"]
         step_size = 2 if self.scheduler_interval == "step" else 1
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=0.5)
+        scheduler = step_lr(optimizer, step_size=step_size, gamma=0.5)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval},
@@ -168,6 +173,7 @@ def build(
     data: str = "stateful0",
     scheduler: str = "step",
     precision: str = "32",
+    optimizer: str = "adamw",
     steps_per_epoch: int = 4,
     every: int = 2,
     broken: str = "none",
@@ -215,7 +221,7 @@ def build(
         devices=world,
         max_steps=100,
         accumulate_grad_batches=accumulate,
-        precision=precision,
+        precision="32" if precision == "megatron-bf16" else precision,
         callbacks=[*callbacks, MegatronCheckpoint("unused", **callback_kwargs)],
         logger=False,
         enable_progress_bar=False,
@@ -223,7 +229,14 @@ def build(
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    module = JobModule(frozen=frozen, scheduler=scheduler, unsaved_state=unsaved_state, dropout=0.1)
+    module = JobModule(
+        frozen=frozen,
+        scheduler=scheduler,
+        unsaved_state=unsaved_state,
+        dropout=0.1,
+        optimizer=optimizer,
+        megatron_bf16=precision == "megatron-bf16",
+    )
     val = _loader("stateful0", 4) if "limit_val_batches" in trainer_kwargs else None
     if data == "datamodule":
         from lightning_mcore_ckpt.tiny import TokenDataModule

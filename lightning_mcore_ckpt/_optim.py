@@ -14,8 +14,9 @@ the parameters whose state tensors the checkpoint holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch
 __all__ = [
     "init_state",
     "load_sharded",
+    "loading_distributed_optimizers",
     "restore_steps_from_groups",
     "saved_state_keys",
     "sharded_state_dict",
@@ -253,6 +255,34 @@ def load_sharded(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> No
                     else value
                 )
     optimizer.load_state_dict(loaded)
+
+
+@contextlib.contextmanager
+def loading_distributed_optimizers(optimizers: Sequence[Any]) -> Iterator[None]:
+    """Around ``load_state_dict`` of Megatron-Core optimizers holding ``DistributedOptimizer``s
+    (``optimizers``): what their torch-Adam path (no Apex or Transformer Engine) needs.
+
+    * Their fp32 main parameters are views of the model's parameters (leaves that need a
+      gradient): the state is copied in under ``torch.no_grad()``.
+    * A fully reshardable state holds no per-parameter ``step``, which their setter expects of
+      torch Adam's state: it is told there is none to copy (the count comes from the groups).
+    * Afterwards, :func:`restore_steps_from_groups`.
+    """
+    for opt in optimizers:
+        stock = opt._set_main_param_and_optimizer_states
+
+        def setter(model_param: Any, tensors: dict[str, Any], _stock: Any = stock) -> Any:
+            return _stock(model_param, {"step": None, **tensors})
+
+        opt._set_main_param_and_optimizer_states = setter
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for opt in optimizers:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
+    for opt in optimizers:
+        restore_steps_from_groups(opt.optimizer)
 
 
 def restore_steps_from_groups(optimizer: torch.optim.Optimizer) -> None:

@@ -128,7 +128,11 @@ OPTIMIZERS = ("adamw", "megatron", "distributed")
 """``TinyGPTModule(optimizer=...)``: torch AdamW; Megatron-Core's optimizer over Megatron DDP;
 the same with Megatron's distributed optimizer (state sharded across data-parallel ranks)."""
 
-_BF16: dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16}
+_BF16: dict[str, Any] = {
+    "bf16": True,
+    "params_dtype": torch.bfloat16,
+    "pipeline_dtype": torch.bfloat16,
+}
 
 
 def megatron_ddp(model: Any, *, distributed_optimizer: bool, bf16: bool = False) -> Any:

@@ -22,6 +22,7 @@ from lightning_mcore_ckpt.engine._records import (
 )
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
+    megatron_optimizer_metadata,
     optimizer_sharded_state_dict,
     stateless_params,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "commit_step",
     "cpu_group",
     "holds_weights_only",
+    "megatron_optimizer_metadata",
     "optimizer_sharded_state_dict",
     "record_metadata",
     "stateless_params",

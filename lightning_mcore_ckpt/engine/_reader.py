@@ -6,8 +6,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, _safe_dcp, _safe_load, layout
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
@@ -216,11 +214,8 @@ class CheckpointReader:
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         for idx, opt in enumerate(state.optimizers):
             if isinstance(opt, MegatronOptimizer):
-                # Its fp32 main parameters are views of the model's (leaves that need grad).
-                with torch.no_grad():
+                with _optim.loading_distributed_optimizers(distributed_optimizers([opt])):
                     opt.load_state_dict(loaded[f"optimizer_{idx}"])
-                for dist_opt in distributed_optimizers([opt]):
-                    _optim.restore_steps_from_groups(dist_opt.optimizer)
             else:
                 _optim.load_sharded(opt, loaded[f"optimizer_{idx}"])
                 if stateless is not None and idx < len(stateless):
@@ -238,7 +233,11 @@ class CheckpointReader:
         if not distributed_optimizers(state.optimizers):
             return megatron_optimizer_metadata(state.optimizer_sharding)
         saved = dist_checkpointing.load_content_metadata(str(directory))
-        metadata = dict(saved or megatron_optimizer_metadata(state.optimizer_sharding))
+        # The saved format, gathered the way this machine can.
+        metadata = {
+            **(saved or megatron_optimizer_metadata(state.optimizer_sharding)),
+            **_cpu.optimizer_metadata_overrides(),
+        }
         sharding = metadata.get("distrib_optim_sharding_type")
         if sharding not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
@@ -251,7 +250,8 @@ class CheckpointReader:
             differs = {
                 name: (saved_layout.get(name), size)
                 for name, size in state.parallel_layout.items()
-                if name != "data_parallel_size" and saved_layout.get(name, size) != size
+                if name not in ("world_size", "data_parallel_size")
+                and saved_layout.get(name, size) != size
             }
             if differs:
                 what = ", ".join(f"{n}={a} saved, {b} now" for n, (a, b) in differs.items())

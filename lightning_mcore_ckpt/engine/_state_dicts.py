@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import _optim, _safe_load
+from lightning_mcore_ckpt import _cpu, _optim, _safe_load
 
 __all__ = [
     "TrainingState",
@@ -121,7 +121,11 @@ def megatron_optimizer_metadata(sharding: str) -> dict[str, Any]:
     fully reshardable state. It is saved as the ``optim/`` directory's content metadata and
     read back from there on load: a step always loads with the format it was written in.
     """
-    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+    return {
+        "distrib_optim_sharding_type": sharding,
+        "chained_optim_avoid_prefix": True,
+        **_cpu.optimizer_metadata_overrides(),
+    }
 
 
 def distributed_optimizers(optimizers: Sequence[Any]) -> list[Any]:

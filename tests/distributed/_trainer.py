@@ -39,7 +39,12 @@ def gathered_weights(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def gathered_optimizer(trainer: Any) -> dict[str, torch.Tensor]:
-    from lightning_mcore_ckpt.engine import optimizer_sharded_state_dict
+    """The optimizer state as full tensors, whatever the layout: a Megatron distributed
+    optimizer's in its fully reshardable (per-parameter) form, main parameters included."""
+    from lightning_mcore_ckpt.engine import (
+        megatron_optimizer_metadata,
+        optimizer_sharded_state_dict,
+    )
     from lightning_mcore_ckpt.testing import gather_sharded
 
     strategy = trainer.strategy
@@ -48,5 +53,6 @@ def gathered_optimizer(trainer: Any) -> dict[str, torch.Tensor]:
             strategy._torch_optimizers(),
             strategy.lightning_module,
             strategy.model_sharded_state_dict(),
+            metadata=megatron_optimizer_metadata("fully_reshardable"),
         )
     )

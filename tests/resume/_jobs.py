@@ -174,6 +174,7 @@ def build(
     scheduler: str = "step",
     precision: str = "32",
     optimizer: str = "adamw",
+    optimizer_sharding: str = "dp_reshardable",
     steps_per_epoch: int = 4,
     every: int = 2,
     broken: str = "none",
@@ -214,6 +215,7 @@ def build(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         ckpt_async_save=async_save,
+        ckpt_optimizer_sharding=optimizer_sharding,
     )
     trainer = pl.Trainer(
         strategy=strategy,

@@ -1,0 +1,126 @@
+"""Make stock Megatron-Core run on CPU with a gloo process group.
+
+This package is the only place that adapts third-party code to the CPU (differences between
+library versions live in :mod:`.._compat`), and it changes nothing when CUDA is available:
+:func:`install` returns ``False`` at once on a CUDA machine, so GPU users always run the stock
+NCCL/CUDA code paths.
+
+Without CUDA, Megatron-Core (0.16 to 0.19) fails in a handful of places that are not about
+computation at all. Each adaptation is the smallest that makes the stock code path run:
+
+* **``torch.cuda`` as "the device"** (:mod:`._device`). A listed set of Megatron modules
+  (tensor-parallel layers and mappings, rotary embeddings, the GPT model, attention, the
+  transformer layer, the pipeline schedules, the dist-checkpointing save finaliser and async
+  queue, Megatron DDP and its gradient buffers, the mixed-precision and distributed optimizers,
+  the grad scaler, gradient clipping, ``megatron.core.utils``) use ``torch.cuda.current_device()``
+  or the literal ``"cuda"`` as a tensor device, call ``torch.cuda.synchronize()``, order work
+  on CUDA streams, and seed or read the default CUDA generator. Inside those modules only,
+  ``torch`` is a stand-in whose ``cuda`` is the CPU: current device ``cpu``, no-op synchronize
+  and streams, RNG calls on ``torch.default_generator``, and tensor factories that put a
+  ``"cuda"`` tensor on the CPU. The global ``torch.cuda`` is not touched.
+* **CUDA RNG tracker.** Megatron's named "CUDA" RNG states (data-parallel, tensor-parallel,
+  expert) are backed by the CPU generator, which is what dropout draws from on CPU: dropout is
+  real, seeded per tensor-parallel rank exactly as on GPU, and checkpointed.
+* **Legacy type strings.** The mixed-precision and distributed optimizers sort parameters by
+  ``param.type() == "torch.cuda.FloatTensor"`` and gradient clipping asserts it: inside those
+  functions, on the thread running them, a CPU tensor reports its CUDA type string.
+* **Causal mask and global memory buffer** (:mod:`._patches`) allocate on the CPU.
+* **Async staging.** Staging for an async save is ``tensor.to("cpu")``, which is no copy for a
+  CPU tensor, so training could mutate what the background writer is about to write. On CPU,
+  staging copies, which is what the device-to-host copy does on GPU.
+* **Shard writers' results queue.** Megatron-Core starts the Manager behind it with "spawn",
+  which re-imports the main script's modules in the child (seconds at every process's first
+  save) to keep CUDA state out of it; on CPU it is forked.
+* **Mixed precision.** Megatron-Core's tensor-parallel linear functions declare their autocast
+  behaviour for ``"cuda"`` only, so under CPU autocast (``precision="bf16-mixed"``) their
+  backward would multiply a bf16 gradient by an fp32 weight. On CPU they are declared for
+  ``"cpu"``: the backward runs under the autocast state of the forward, as on GPU.
+* **Model configs.** :func:`transformer_config_overrides` turns off the fused kernels (CUDA
+  only) and asks for CPU initialisation in configs built from a Hugging Face model.
+
+What is *not* made to work here, and is avoided by the callers instead:
+``FullyParallelLoadStrategyWrapper`` (its exchange allocates on the literal ``"cuda"``; on CPU the
+strategy loads plainly, see :func:`parallel_load_supported`), and the fully reshardable
+distributed-optimizer format's default gather (``Tensor.cuda()``): on CPU it is gathered over
+the gloo group instead (:func:`optimizer_metadata_overrides`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt._cpu import _device, _patches
+
+__all__ = [
+    "cuda_available",
+    "install",
+    "installed",
+    "optimizer_metadata_overrides",
+    "parallel_load_supported",
+    "transformer_config_overrides",
+]
+
+_lock = threading.Lock()
+_installed = False
+
+
+def cuda_available() -> bool:
+    """Whether this process runs the GPU path (stock Megatron-Core, no adaptation)."""
+    return torch.cuda.is_available()
+
+
+def installed() -> bool:
+    """Whether the CPU adaptations are active in this process."""
+    return _installed
+
+
+def parallel_load_supported() -> bool:
+    """Whether ``FullyParallelLoadStrategyWrapper`` can run here (it needs CUDA)."""
+    return cuda_available()
+
+
+def transformer_config_overrides() -> dict[str, Any]:
+    """``TransformerConfig`` fields a CPU run needs (none with CUDA): no fused CUDA kernels."""
+    if cuda_available():
+        return {}
+    return {
+        "use_cpu_initialization": True,
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "sequence_parallel": False,
+    }
+
+
+def optimizer_metadata_overrides() -> dict[str, Any]:
+    """Sharded-state-dict metadata a distributed optimizer needs here (none with CUDA): the
+    fully reshardable format gathered over the gloo group (its default gather moves tensors to
+    the CUDA device with ``Tensor.cuda()``, which no stand-in reaches)."""
+    if cuda_available():
+        return {}
+    return {"distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def install() -> bool:
+    """Install the CPU adaptations once per process; a no-op when CUDA is available.
+
+    Returns ``True`` when the adaptations are active after the call. Safe to call any number of
+    times, from any thread.
+    """
+    global _installed
+    if cuda_available():
+        return False
+    with _lock:
+        if not _installed:
+            _device.patch_modules()
+            _device.patch_tensor_type_checks()
+            _patches.patch_memory_buffer()
+            _patches.patch_dist_checkpointing()
+            _patches.patch_autocast()
+            _installed = True
+    return True

@@ -1,0 +1,98 @@
+"""Megatron-Core's global memory buffer, async staging, shard writers' results queue and
+autocast declarations, adapted to the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["patch_autocast", "patch_dist_checkpointing", "patch_memory_buffer"]
+
+# --- global memory buffer --------------------------------------------------------------------
+
+
+def patch_memory_buffer() -> None:
+    from megatron.core import utils as mcore_utils
+
+    original = mcore_utils.GlobalMemoryBuffer.get_tensor
+
+    def get_tensor(
+        self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+    ) -> torch.Tensor:
+        required = 1
+        for dim in tensor_shape:
+            required *= int(dim)
+        key = (name, dtype)
+        buf = self.buffer.get(key)
+        if buf is None or buf.numel() < required:
+            self.buffer[key] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
+        return self.buffer[key][0:required].view(*tensor_shape)
+
+    get_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor  # type: ignore[method-assign]
+
+
+# --- dist-checkpointing ----------------------------------------------------------------------
+
+
+def patch_dist_checkpointing() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    writer = filesystem_async.FileSystemWriterAsync
+    original = writer.preload_tensors
+
+    def preload_tensors(write_buckets: list[Any], non_blocking: bool = True) -> list[Any]:
+        # Staging must be a snapshot: a CPU tensor's .to("cpu") is the tensor itself.
+        staged = []
+        for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+            copied = [(item, tensor.detach().to("cpu", copy=True)) for item, tensor in tensor_data]
+            staged.append((file_name, storage_key, (bytes_data, copied)))
+        return staged
+
+    preload_tensors.__wrapped__ = original  # type: ignore[attr-defined]
+    writer.preload_tensors = staticmethod(preload_tensors)  # type: ignore[method-assign,assignment]
+
+    # The shard writers report through a queue of a Manager process started with "spawn"
+    # (megatron-core 0.16: _get_write_results_queue(); 0.19: get_write_results_queue(mp_mode=
+    # "spawn")). A spawned process re-imports the main script's modules: torch, Megatron-Core,
+    # Lightning, seconds at the first save of every process. Its "spawn" keeps CUDA state out of
+    # the child; without CUDA there is none, so the Manager is forked.
+    import multiprocessing as mp
+
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        stock = getattr(filesystem_async, name, None)
+        if stock is None:
+            continue
+
+        def forked_queue(*args: Any, **kwargs: Any) -> Any:
+            with filesystem_async._disable_gc():
+                if filesystem_async._results_queue is None:
+                    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+            return filesystem_async._results_queue
+
+        forked_queue.__wrapped__ = stock  # type: ignore[attr-defined]
+        setattr(filesystem_async, name, forked_queue)
+
+
+# --- autocast of Megatron-Core's autograd functions ----------------------------------------------
+
+_AUTOCAST_FUNCTIONS = (
+    "LinearWithFrozenWeight",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+)
+
+
+def patch_autocast() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    for name in _AUTOCAST_FUNCTIONS:
+        fn = getattr(layers, name, None)
+        if fn is None:
+            continue
+        forward = getattr(fn.forward, "__wrapped__", None)
+        backward = getattr(fn.backward, "__wrapped__", None)
+        if forward is None or backward is None:
+            continue  # not decorated as expected: leave it as it is
+        fn.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
+        fn.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))

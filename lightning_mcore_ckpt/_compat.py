@@ -86,18 +86,19 @@ def async_strategy() -> str:
     choice = BUILTIN
     reason = "the only writer of this megatron-core version"
     if _save_takes_async_strategy():
-        import torch
         from megatron.core.dist_checkpointing.strategies import nvrx
+
+        from lightning_mcore_ckpt import _cpu
 
         try:
             usable = nvrx.has_nvrx_async_support()
         except AssertionError:  # installed, older than megatron-core's NVRX_MIN_VERSION
             usable = False
-        if usable and torch.cuda.is_available():
+        if usable and not _cpu.on_cpu():
             choice, reason = NVRX, "a compatible nvidia-resiliency-ext is installed"
         elif usable:
             # NVRx's queue and worker put their tensors on torch.cuda.current_device().
-            reason = "nvidia-resiliency-ext needs CUDA"
+            reason = "nvidia-resiliency-ext needs CUDA (this process trains on the CPU)"
         else:
             found = package_version("nvidia-resiliency-ext")
             reason = (

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_mcore_ckpt import _cpu
+
 __all__ = ["RNG_STATE_VERSION", "RNGState"]
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class RNGState:
             "numpy": _numpy_state(),
             "torch_cpu": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
+        if not _cpu.on_cpu():  # a CPU run on a GPU machine leaves the GPUs alone
             state["torch_cuda"] = torch.cuda.get_rng_state_all()
         tracker = tensor_parallel.get_cuda_rng_tracker()
         if getattr(tracker, "states_", None):
@@ -93,7 +95,7 @@ class RNGState:
             torch.set_rng_state(state_dict["torch_cpu"])
         else:
             missing.append("torch_cpu")
-        if torch.cuda.is_available():
+        if not _cpu.on_cpu():
             cuda = state_dict.get("torch_cuda")
             if cuda is not None and len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)

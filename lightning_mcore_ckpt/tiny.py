@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_mcore_ckpt import _cpu
 from lightning_mcore_ckpt._tiny_hf import TINY_SEQ_LEN, TINY_VOCAB, tiny_hf_model, tiny_hf_qwen2
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def tiny_gpt_config(**overrides: Any) -> TransformerConfig:
         ffn_hidden_size=128,
         hidden_dropout=0.1,
         attention_dropout=0.1,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=_cpu.on_cpu(),
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),

@@ -1,9 +1,9 @@
 """Make stock Megatron-Core run on CPU with a gloo process group.
 
 This package is the only place that adapts third-party code to the CPU (differences between
-library versions live in :mod:`.._compat`), and it changes nothing when CUDA is available:
-:func:`install` returns ``False`` at once on a CUDA machine, so GPU users always run the stock
-NCCL/CUDA code paths.
+library versions live in :mod:`.._compat`), and it changes nothing in a process that trains on
+CUDA devices: :func:`install` adapts only a process whose devices are CPUs (``accelerator="cpu"``,
+on any machine), so GPU runs always take the stock NCCL/CUDA code paths.
 
 Without CUDA, Megatron-Core (0.16 to 0.19) fails in a handful of places that are not about
 computation at all. Each adaptation is the smallest that makes the stock code path run:
@@ -58,6 +58,7 @@ __all__ = [
     "cuda_available",
     "install",
     "installed",
+    "on_cpu",
     "optimizer_metadata_overrides",
     "parallel_load_supported",
     "transformer_config_overrides",
@@ -68,7 +69,7 @@ _installed = False
 
 
 def cuda_available() -> bool:
-    """Whether this process runs the GPU path (stock Megatron-Core, no adaptation)."""
+    """Whether this machine has a CUDA device torch can use."""
     return torch.cuda.is_available()
 
 
@@ -77,14 +78,20 @@ def installed() -> bool:
     return _installed
 
 
+def on_cpu() -> bool:
+    """Whether this process runs Megatron-Core on the CPU: the adaptations are active, or (before
+    :func:`install` was asked) the machine has no CUDA."""
+    return _installed or not cuda_available()
+
+
 def parallel_load_supported() -> bool:
     """Whether ``FullyParallelLoadStrategyWrapper`` can run here (it needs CUDA)."""
-    return cuda_available()
+    return not on_cpu()
 
 
 def transformer_config_overrides() -> dict[str, Any]:
-    """``TransformerConfig`` fields a CPU run needs (none with CUDA): no fused CUDA kernels."""
-    if cuda_available():
+    """``TransformerConfig`` fields a CPU run needs (none on CUDA): no fused CUDA kernels."""
+    if not on_cpu():
         return {}
     return {
         "use_cpu_initialization": True,
@@ -98,23 +105,28 @@ def transformer_config_overrides() -> dict[str, Any]:
 
 
 def optimizer_metadata_overrides() -> dict[str, Any]:
-    """Sharded-state-dict metadata a distributed optimizer needs here (none with CUDA): the
+    """Sharded-state-dict metadata a distributed optimizer needs here (none on CUDA): the
     fully reshardable format gathered over the gloo group (its default gather moves tensors to
     the CUDA device with ``Tensor.cuda()``, which no stand-in reaches)."""
-    if cuda_available():
+    if not on_cpu():
         return {}
     return {"distrib_optim_fully_reshardable_mem_efficient": True}
 
 
-def install() -> bool:
-    """Install the CPU adaptations once per process; a no-op when CUDA is available.
+def install(device_type: str | None = None) -> bool:
+    """Install the CPU adaptations once per process, when it trains on the CPU.
 
-    Returns ``True`` when the adaptations are active after the call. Safe to call any number of
-    times, from any thread.
+    ``device_type`` is the type of the devices this process trains on (the strategy passes its
+    root device's, ``"cpu"`` for ``Trainer(accelerator="cpu")``, also on a machine with GPUs);
+    ``None``: the CPU when the machine has no CUDA. For ``"cuda"`` nothing is changed: GPU runs
+    use the stock code paths. Returns ``True`` when the adaptations are active after the call.
+    Safe to call any number of times, from any thread.
     """
     global _installed
-    if cuda_available():
-        return False
+    if device_type is None:
+        device_type = "cuda" if cuda_available() else "cpu"
+    if device_type != "cpu":
+        return _installed
     with _lock:
         if not _installed:
             _device.patch_modules()

@@ -45,7 +45,7 @@ def has_transformer_engine() -> bool:
         import transformer_engine  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    return not _cpu.on_cpu()
 
 
 class HFBridge:

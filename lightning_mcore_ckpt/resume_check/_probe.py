@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from typing_extensions import override
 
+from lightning_mcore_ckpt import _cpu
+
 __all__ = ["ResumeProbe", "digest", "rng_digests", "sample_fingerprints"]
 
 HOWS = ("clean", "sigterm", "kill", "max_steps")
@@ -84,7 +86,7 @@ def rng_digests() -> dict[str, str]:
         "numpy": digest(np.random.get_state()),
         "torch": digest(torch.get_rng_state()),
     }
-    if torch.cuda.is_available():
+    if not _cpu.on_cpu():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             out[f"cuda:{i}"] = digest(state)
     try:

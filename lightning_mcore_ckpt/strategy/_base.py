@@ -163,7 +163,7 @@ class MegatronParallelBase(ParallelStrategy):
         # accelerator="cpu" on a GPU machine is a gloo group.
         backend = _parallel.backend_for(self.root_device.type, self._process_group_backend)
         self._process_group_backend = backend
-        _cpu.install()
+        _cpu.install(self.root_device.type)  # CPU ranks: also on a machine with GPUs
         if not _distributed_is_initialized():
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         _parallel.initialize(
@@ -174,6 +174,24 @@ class MegatronParallelBase(ParallelStrategy):
             seed=self.seed,
             timeout=self._timeout,
         )
+
+    def _check_precision(self) -> None:
+        """Refuse a precision plugin that converts the weights of a model in Megatron DDP."""
+        from lightning.pytorch.plugins.precision import HalfPrecision
+        from megatron.core.distributed import DistributedDataParallel
+
+        assert self.model is not None
+        plugin = self.precision_plugin
+        if isinstance(plugin, HalfPrecision) and any(
+            isinstance(m, DistributedDataParallel) for m in self.model.modules()
+        ):
+            raise ValueError(
+                f"Trainer(precision={plugin.precision!r}) converts every parameter, which "
+                "Megatron DDP's gradient buffers and a Megatron optimizer's fp32 main parameters "
+                "cannot follow. Use Megatron-Core's mixed precision instead: the model built "
+                "with TransformerConfig(bf16=True, params_dtype=torch.bfloat16) in Float16Module, "
+                "and OptimizerConfig(bf16=True), with precision='32-true' (docs/gpu.md)"
+            )
 
     def _check_model_configs(self) -> None:
         assert self.model is not None

@@ -83,3 +83,43 @@ def test_tp2_checkpoint_with_dropout_loads_at_tp1_with_identical_weights(tmp_pat
     # Layers are stacked on a leading axis; the fused QKV weight is whole again after gathering.
     qkv = next(k for k in loaded if k.endswith("linear_qkv.weight"))
     assert tuple(loaded[qkv].shape) == (2, 3 * 64, 64)
+
+
+def _with_cuda_present(**cell: object) -> object:
+    """The resume matrix's job, in a process where the package sees a machine with CUDA (what
+    it asks, ``_cpu.cuda_available()``, says so; torch itself is left alone, its CPU kernels
+    ask too). A GPU machine failed exactly there: the adaptations were skipped, and Megatron-Core
+    reached for a GPU from CPU ranks. Every call that would reach one fails here (there is none),
+    so the run proves the CPU path never does."""
+    import _jobs  # tests/resume: on sys.path for the resume-check tests as for this one
+
+    from lightning_mcore_ckpt import _cpu
+
+    _cpu.cuda_available = lambda: True  # type: ignore[assignment]
+    return _jobs.build(**cell)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "distributed"])
+def test_a_cpu_run_on_a_machine_with_cuda_takes_the_cpu_path_and_resumes_exactly(
+    tmp_path: Path, optimizer: str
+) -> None:
+    import functools
+
+    from lightning_mcore_ckpt import check_resume
+
+    report = check_resume(
+        functools.partial(
+            _with_cuda_present,
+            layout="tp2",
+            async_save=True,
+            optimizer=optimizer,
+            steps_per_epoch=3,
+        ),
+        stop_at=2,
+        max_steps=4,
+        how="sigterm",
+        world_size=2,
+        workdir=tmp_path / "work",
+        check_determinism=False,
+    )
+    assert report.exact, str(report)

@@ -175,23 +175,34 @@ class MegatronParallelBase(ParallelStrategy):
             timeout=self._timeout,
         )
 
-    def _check_precision(self) -> None:
-        """Refuse a precision plugin that converts the weights of a model in Megatron DDP."""
+    def _convert_precision(self) -> None:
+        """Let the precision plugin convert the module, as Lightning's ``Strategy.setup`` does.
+
+        ``"bf16-true"`` / ``"16-true"`` convert every parameter: Megatron-Core modules are then
+        told so (``config.pipeline_dtype``: pipeline stages exchange activations of that
+        dtype). Refused for a model in Megatron DDP, whose fp32 gradient buffers and main
+        parameters cannot follow: Megatron-Core's own mixed precision does that instead.
+        """
         from lightning.pytorch.plugins.precision import HalfPrecision
         from megatron.core.distributed import DistributedDataParallel
 
         assert self.model is not None
         plugin = self.precision_plugin
-        if isinstance(plugin, HalfPrecision) and any(
-            isinstance(m, DistributedDataParallel) for m in self.model.modules()
-        ):
-            raise ValueError(
-                f"Trainer(precision={plugin.precision!r}) converts every parameter, which "
-                "Megatron DDP's gradient buffers and a Megatron optimizer's fp32 main parameters "
-                "cannot follow. Use Megatron-Core's mixed precision instead: the model built "
-                "with TransformerConfig(bf16=True, params_dtype=torch.bfloat16) in Float16Module, "
-                "and OptimizerConfig(bf16=True), with precision='32-true' (docs/gpu.md)"
-            )
+        if isinstance(plugin, HalfPrecision):
+            if any(isinstance(m, DistributedDataParallel) for m in self.model.modules()):
+                raise ValueError(
+                    f"Trainer(precision={plugin.precision!r}) converts every parameter, which "
+                    "Megatron DDP's gradient buffers and a Megatron optimizer's fp32 main "
+                    "parameters cannot follow. Use Megatron-Core's mixed precision instead: the "
+                    "model built with TransformerConfig(bf16=True, params_dtype=torch.bfloat16) "
+                    "in Float16Module, and OptimizerConfig(bf16=True), with precision='32-true' "
+                    "(docs/gpu.md)"
+                )
+            for module in _grads.megatron_modules(self.model):
+                config = getattr(module, "config", None)
+                if config is not None and getattr(config, "pipeline_dtype", None) is not None:
+                    config.pipeline_dtype = plugin._desired_input_dtype
+        self.model = plugin.convert_module(self.model)
 
     def _check_model_configs(self) -> None:
         assert self.model is not None

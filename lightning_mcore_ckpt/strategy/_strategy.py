@@ -136,10 +136,7 @@ class MegatronStrategy(MegatronTrainingBase):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._check_model_configs()
-        self._check_precision()
-        # As Lightning's Strategy.setup: the precision plugin converts the module first
-        # ("bf16-true": every parameter to bf16).
-        self.model = self.precision_plugin.convert_module(self.model)
+        self._convert_precision()
         self.model_to_device()
         self.barrier("MegatronStrategy.setup")
         if trainer.state.fn == TrainerFn.FITTING:

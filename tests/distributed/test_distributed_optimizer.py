@@ -180,3 +180,19 @@ def test_an_async_save_of_the_distributed_optimizer_loads_like_a_sync_one(
         for r in loaded:
             for key, tensor in a["optim"].items():
                 assert torch.equal(tensor, r["optim"][key]), f"{step}: {key}"
+
+
+def _bf16_true_over_megatron_ddp(rank: int, world_size: int, tmp: str) -> None:
+    from _trainer import loader, make_trainer
+
+    trainer = make_trainer(2, _strategy(1, 1, "dp_reshardable"), world_size, precision="bf16-true")
+    trainer.fit(_module(False), train_dataloaders=loader(8, 2))
+
+
+def test_bf16_true_over_megatron_ddp_is_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_bf16_true_over_megatron_ddp, 1, str(tmp_path), timeout=200)
+    message = str(info.value)
+    assert "Trainer(precision='bf16-true') converts every parameter" in message
+    assert "TransformerConfig(bf16=True, params_dtype=torch.bfloat16)" in message
+    assert "Float16Module" in message

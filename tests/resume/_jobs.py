@@ -175,6 +175,7 @@ def build(
     precision: str = "32",
     optimizer: str = "adamw",
     optimizer_sharding: str = "dp_reshardable",
+    accelerator: str = "cpu",
     steps_per_epoch: int = 4,
     every: int = 2,
     broken: str = "none",
@@ -219,7 +220,7 @@ def build(
     )
     trainer = pl.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world,
         max_steps=100,
         accumulate_grad_batches=accumulate,

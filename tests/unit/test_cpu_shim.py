@@ -1,4 +1,6 @@
-"""The CPU shim: active without CUDA, a strict no-op with CUDA, and confined to Megatron modules."""
+"""The CPU adaptations: active in a process that trains on the CPU (on any machine), a strict
+no-op in one that trains on CUDA, and confined to Megatron modules. None of these tests assumes
+the machine has no GPU."""
 
 from __future__ import annotations
 
@@ -17,16 +19,16 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_install_is_idempotent_and_reports_active_without_cuda() -> None:
-    assert not torch.cuda.is_available()
-    assert _cpu.install() is True
-    assert _cpu.install() is True
-    assert _cpu.installed()
+def test_install_for_cpu_devices_is_idempotent_and_reports_active() -> None:
+    assert _cpu.install("cpu") is True
+    assert _cpu.install("cpu") is True
+    assert _cpu.installed() and _cpu.on_cpu()
     assert not _cpu.parallel_load_supported()
+    assert _cpu.transformer_config_overrides()["use_cpu_initialization"] is True
 
 
 def test_global_torch_cuda_is_untouched() -> None:
-    _cpu.install()
+    _cpu.install("cpu")
     from megatron.core.tensor_parallel import mappings
 
     assert mappings.torch is not torch
@@ -37,7 +39,7 @@ def test_global_torch_cuda_is_untouched() -> None:
 
 
 def test_megatron_cuda_rng_is_the_cpu_generator() -> None:
-    _cpu.install()
+    _cpu.install("cpu")
     from megatron.core.tensor_parallel import random as mcore_random
 
     torch.manual_seed(7)
@@ -48,7 +50,7 @@ def test_megatron_cuda_rng_is_the_cpu_generator() -> None:
 
 
 def test_async_staging_copies_cpu_tensors() -> None:
-    _cpu.install()
+    _cpu.install("cpu")
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     weight = torch.zeros(4)
@@ -64,8 +66,13 @@ def test_install_does_nothing_when_cuda_is_available() -> None:
         import torch
         torch.cuda.is_available = lambda: True
         from lightning_mcore_ckpt import _cpu
-        assert _cpu.install() is False
-        assert not _cpu.installed()
+        assert _cpu.install() is False  # the machine's devices: CUDA
+        assert _cpu.install("cuda") is False
+        assert not _cpu.installed() and not _cpu.on_cpu()
+        assert _cpu.parallel_load_supported()
+        assert _cpu.transformer_config_overrides() == {}
+        assert _cpu.optimizer_metadata_overrides() == {}
+        assert torch.zeros(1).type() == "torch.FloatTensor"
         from megatron.core.tensor_parallel import mappings, random
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from megatron.core import utils
@@ -78,3 +85,38 @@ def test_install_does_nothing_when_cuda_is_available() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "untouched" in result.stdout
+
+
+def test_a_process_training_on_the_cpu_of_a_machine_with_cuda_is_adapted() -> None:
+    # Trainer(accelerator="cpu") on a GPU machine: Megatron-Core must not reach for the GPU.
+    result = _run(
+        """
+        import torch
+        torch.cuda.is_available = lambda: True
+        from lightning_mcore_ckpt import _cpu
+        assert _cpu.on_cpu() is False  # nothing asked yet: the machine's devices
+        assert _cpu.install("cpu") is True
+        assert _cpu.installed() and _cpu.on_cpu()
+        assert not _cpu.parallel_load_supported()
+        assert _cpu.optimizer_metadata_overrides()
+        from megatron.core.tensor_parallel import mappings
+        assert mappings.torch.cuda.current_device() == torch.device("cpu")
+        print("adapted")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "adapted" in result.stdout
+
+
+def test_cuda_type_strings_are_reported_only_inside_the_optimizers_checks() -> None:
+    _cpu.install("cpu")
+    from megatron.core.optimizer import clip_grads
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 2.0)
+    assert weight.type() == "torch.FloatTensor"
+    # Asserts param.grad.type() == "torch.cuda.FloatTensor" before it scales.
+    clip_grads.clip_grad_by_total_norm_fp32([weight], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(weight.grad, torch.full((3,), 0.5), atol=1e-5)
+    assert weight.type() == "torch.FloatTensor"
+    assert weight.type(torch.float64).dtype == torch.float64

@@ -24,6 +24,11 @@ from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
             r"process_group_backend='mpi'\): use 'nccl', 'gloo' or None",
         ),
         (
+            {"ckpt_optimizer_sharding": "fully_sharded_model_space"},
+            r"ckpt_optimizer_sharding='fully_sharded_model_space'\): use one of "
+            r"'dp_reshardable', 'fully_reshardable'",
+        ),
+        (
             {"sequence_parallel": True},
             r"sequence_parallel=True\) needs tensor_model_parallel_size > 1",
         ),
@@ -43,6 +48,7 @@ def test_defaults_are_those_of_the_public_interface() -> None:
     assert strategy.ckpt_parallel_save is True
     assert strategy.ckpt_async_save is False
     assert strategy.process_group_backend is None
+    assert strategy.config.ckpt_optimizer_sharding == "dp_reshardable"
 
 
 def test_save_options_reject_unknown_contents() -> None:

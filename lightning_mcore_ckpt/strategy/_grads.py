@@ -18,6 +18,7 @@ __all__ = [
     "megatron_modules",
     "megatron_optimizer_step",
     "model_chunk",
+    "refuse_loss_scaling",
     "run_schedule",
 ]
 
@@ -57,6 +58,23 @@ def give_megatron_optimizers_defaults(conf: Any) -> None:
     elif isinstance(conf, list | tuple):
         for item in conf:
             give_megatron_optimizers_defaults(item)
+
+
+def refuse_loss_scaling(optimizers: Sequence[Any]) -> None:
+    """Refuse a Megatron-Core optimizer that expects a scaled loss (``OptimizerConfig(fp16=True)``:
+    its grad scaler divides gradients by a loss scale this strategy does not apply)."""
+    from megatron.core.optimizer import MegatronOptimizer
+
+    for opt in optimizers:
+        inner = getattr(opt, "_optimizer", opt)
+        if isinstance(inner, MegatronOptimizer) and getattr(inner.config, "fp16", False):
+            raise ValueError(
+                "a Megatron-Core optimizer with OptimizerConfig(fp16=True) expects the loss "
+                "multiplied by its dynamic loss scale, which MegatronStrategy does not apply: "
+                "its updates would be wrong. Train in bf16 (TransformerConfig(bf16=True, "
+                "params_dtype=torch.bfloat16), OptimizerConfig(bf16=True)), which needs no "
+                "loss scale"
+            )
 
 
 def megatron_optimizer_step(

@@ -71,6 +71,7 @@ class MegatronTrainingBase(MegatronParallelBase):
             super().setup_optimizers(trainer)
         finally:
             del module.configure_optimizers
+        _grads.refuse_loss_scaling(self.optimizers)
 
     def forward_backward(
         self,

@@ -22,20 +22,26 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 import _jobs  # noqa: E402
 
-# The cell: tensor-parallel shards (resharding-sensitive keys), a frozen input embedding and a
+# The cells: tensor-parallel shards (resharding-sensitive keys), a frozen input embedding and a
 # partly frozen layer stack (optimizer states for only some params), accumulation, a stateful
-# loader with workers, bf16 autocast.
-JOB = functools.partial(
-    _jobs.build,
+# loader with workers; torch AdamW under bf16 autocast, or Megatron's distributed optimizer
+# (its sharding types differ between the versions) with Megatron's bf16. LMC_CROSS_JOB picks.
+_CELL = dict(
     layout="tp2",
     cadence="steps",
     every=2,
     accumulate=2,
     frozen="all_params",
     data="stateful2",
-    precision="bf16-mixed",
     steps_per_epoch=3,
 )
+JOBS = {
+    "adamw": functools.partial(_jobs.build, **_CELL, precision="bf16-mixed"),
+    "distributed": functools.partial(
+        _jobs.build, **_CELL, precision="megatron-bf16", optimizer="distributed"
+    ),
+}
+JOB = JOBS[os.environ.get("LMC_CROSS_JOB", "adamw")]
 
 
 def main(run_dir: str, ckpt_dir: str, max_steps: str, ckpt_path: str | None = None) -> None:

@@ -1,5 +1,8 @@
 """Steps across megatron-core versions: 0.16's resume under 0.19; 0.19's are refused by 0.16.
 
+Both with torch AdamW and with Megatron's distributed optimizer (whose sharded format differs
+between the versions: both read and write ``dp_reshardable`` the same way).
+
 Needs the other supported combination's Python (``LMC_OTHER_PYTHON``: ``.ci/run`` builds both,
 megatron-core 0.19 on Python 3.12 and 0.16 on Python 3.11, and sets it; ``LMC_REQUIRE_OTHER=1``
 turns the skip into a failure). The steps are generated in the run: step 2 of one job
@@ -33,10 +36,16 @@ pytestmark = [
 ]
 
 
-def _run(python: str, run_dir: Path, ckpt_dir: Path, max_steps: int, ckpt: str | None) -> dict:
+def _run(
+    python: str, run_dir: Path, ckpt_dir: Path, max_steps: int, ckpt: str | None, job: str = "adamw"
+) -> dict:
     args = [python, str(HERE / "_cross.py"), str(run_dir), str(ckpt_dir), str(max_steps)]
     done = subprocess.run(
-        [*args, *([ckpt] if ckpt else [])], capture_output=True, text=True, timeout=600
+        [*args, *([ckpt] if ckpt else [])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "LMC_CROSS_JOB": job},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -68,11 +77,12 @@ def pythons() -> dict[str, str]:
     return {"old": old, "new": new}
 
 
+@pytest.mark.parametrize("job", ["adamw", "distributed"])
 def test_a_step_written_by_the_older_version_resumes_exactly_under_the_newer(
-    tmp_path: Path, pythons: dict[str, str]
+    tmp_path: Path, pythons: dict[str, str], job: str
 ) -> None:
     written = tmp_path / "written"
-    wrote = _run(pythons["old"], tmp_path / "write", written, WRITTEN, None)
+    wrote = _run(pythons["old"], tmp_path / "write", written, WRITTEN, None, job)
     metadata = layout.read_metadata(written / f"global_step_{WRITTEN}")
     assert metadata is not None and metadata["versions"]["megatron_core"] == wrote["megatron_core"]
 
@@ -80,7 +90,12 @@ def test_a_step_written_by_the_older_version_resumes_exactly_under_the_newer(
     for who in ("old", "new"):
         shutil.copytree(written, tmp_path / who / "checkpoints")
         versions = _run(
-            pythons[who], tmp_path / who / "run", tmp_path / who / "checkpoints", MAX_STEPS, "last"
+            pythons[who],
+            tmp_path / who / "run",
+            tmp_path / who / "checkpoints",
+            MAX_STEPS,
+            "last",
+            job,
         )
         timelines, finals, resumed_from = _read_run(tmp_path / who / "run" / "probe")
         assert resumed_from == WRITTEN, f"{who} did not resume from step {WRITTEN}"

@@ -196,3 +196,28 @@ def test_bf16_true_over_megatron_ddp_is_refused_before_training(tmp_path: Path) 
     assert "Trainer(precision='bf16-true') converts every parameter" in message
     assert "TransformerConfig(bf16=True, params_dtype=torch.bfloat16)" in message
     assert "Float16Module" in message
+
+
+def _fp16_megatron_optimizer(rank: int, world_size: int, tmp: str) -> None:
+    from _trainer import loader, make_trainer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    class WithLossScale(TinyGPTModule):  # type: ignore[misc]
+        def configure_optimizers(self) -> object:
+            config = OptimizerConfig(optimizer="adam", lr=1e-3, fp16=True)
+            return get_megatron_optimizer(config, [self.gpt])
+
+    trainer = make_trainer(2, _strategy(1, 1, "dp_reshardable"), world_size)
+    trainer.fit(WithLossScale(optimizer="megatron"), train_dataloaders=loader(8, 2))
+
+
+def test_a_megatron_optimizer_expecting_a_scaled_loss_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_fp16_megatron_optimizer, 1, str(tmp_path), timeout=200)
+    message = str(info.value)
+    assert "OptimizerConfig(fp16=True) expects the loss" in message, message
+    assert "OptimizerConfig(bf16=True)" in message

@@ -212,6 +212,8 @@ def build(
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
     else:
         raise ValueError(cadence)
+    if optimizer == "distributed_full":  # the distributed optimizer, saved fully reshardable
+        optimizer, optimizer_sharding = "distributed", "fully_reshardable"
     strategy = _strategy_class(broken)(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -33,8 +33,9 @@ AXES: dict[str, list[Any]] = {
     # Lightning's precision plugins, and Megatron-Core's own mixed precision (bf16 weights in
     # Float16Module, fp32 main parameters in the Megatron optimizer).
     "precision": ["32", "bf16-mixed", "bf16-true", "megatron-bf16"],
-    # torch AdamW; Megatron-Core's optimizer over Megatron DDP; its distributed optimizer.
-    "optimizer": ["adamw", "megatron", "distributed"],
+    # torch AdamW; Megatron-Core's optimizer over Megatron DDP; its distributed optimizer,
+    # saved dp_reshardable and fully_reshardable.
+    "optimizer": ["adamw", "megatron", "distributed", "distributed_full"],
 }
 
 EXCLUDED = [
@@ -42,41 +43,44 @@ EXCLUDED = [
     # optimizer's job), and the model itself is frozen: nothing for a Megatron optimizer.
     ("frozen", "lora", "optimizer", "megatron"),
     ("frozen", "lora", "optimizer", "distributed"),
+    ("frozen", "lora", "optimizer", "distributed_full"),
     ("frozen", "lora", "precision", "megatron-bf16"),
     # Megatron's mixed precision keeps its fp32 main parameters in a Megatron optimizer.
     ("precision", "megatron-bf16", "optimizer", "adamw"),
     # bf16 weights under a Megatron optimizer are Megatron's mixed precision ("megatron-bf16").
     ("precision", "bf16-true", "optimizer", "megatron"),
     ("precision", "bf16-true", "optimizer", "distributed"),
+    ("precision", "bf16-true", "optimizer", "distributed_full"),
 ]
 
 # fmt: off
 CELLS = [
-    ("tp2", "epochs", "sigterm", 1, "trainable_only", True, "datamodule", "epoch", "bf16-true", "adamw"),
-    ("pp2", "epochs", "kill", 3, "all_params", False, "stateful0", "step", "bf16-mixed", "megatron"),
-    ("dp2", "epochs_train_end", "max_steps", 1, "none", False, "plain", "step", "megatron-bf16", "distributed"),
-    ("dp2", "time", "clean", 3, "lora", True, "stateful2", "epoch", "32", "adamw"),
-    ("pp2", "topk", "kill", 3, "trainable_only", True, "plain", "epoch", "megatron-bf16", "distributed"),
-    ("tp2", "steps", "clean", 1, "trainable_only", False, "stateful2", "step", "32", "megatron"),
-    ("dp2", "steps", "max_steps", 3, "none", True, "datamodule", "epoch", "bf16-mixed", "megatron"),
-    ("pp2", "topk", "max_steps", 1, "lora", False, "stateful0", "step", "bf16-true", "adamw"),
-    ("tp2", "epochs_train_end", "sigterm", 3, "all_params", True, "stateful0", "epoch", "32", "distributed"),
-    ("pp2", "time", "sigterm", 1, "all_params", False, "datamodule", "step", "megatron-bf16", "megatron"),
-    ("tp2", "time", "kill", 1, "lora", False, "plain", "epoch", "bf16-mixed", "adamw"),
-    ("pp2", "epochs_train_end", "kill", 3, "none", True, "stateful2", "step", "bf16-true", "adamw"),
-    ("pp2", "steps", "clean", 3, "all_params", True, "plain", "step", "bf16-true", "adamw"),
-    ("dp2", "topk", "sigterm", 1, "all_params", False, "stateful2", "epoch", "bf16-mixed", "distributed"),
-    ("tp2", "topk", "clean", 1, "none", False, "datamodule", "step", "32", "distributed"),
-    ("dp2", "epochs", "clean", 3, "none", True, "stateful0", "epoch", "megatron-bf16", "distributed"),
-    ("pp2", "time", "max_steps", 3, "trainable_only", False, "stateful0", "step", "32", "distributed"),
-    ("dp2", "epochs_train_end", "clean", 1, "trainable_only", False, "plain", "epoch", "bf16-mixed", "megatron"),
-    ("tp2", "epochs", "max_steps", 1, "all_params", False, "stateful2", "step", "megatron-bf16", "megatron"),
-    ("dp2", "steps", "kill", 1, "lora", False, "datamodule", "epoch", "32", "adamw"),
-    ("pp2", "epochs", "sigterm", 1, "lora", False, "plain", "step", "32", "adamw"),
-    ("dp2", "steps", "sigterm", 1, "none", True, "stateful0", "epoch", "megatron-bf16", "distributed"),
-    ("dp2", "time", "max_steps", 1, "none", True, "datamodule", "epoch", "bf16-true", "adamw"),
-    ("pp2", "epochs_train_end", "max_steps", 1, "lora", False, "datamodule", "epoch", "bf16-mixed", "adamw"),
-    ("tp2", "topk", "max_steps", 3, "trainable_only", True, "stateful2", "epoch", "32", "megatron"),
+    ("tp2", "time", "sigterm", 1, "all_params", True, "plain", "epoch", "megatron-bf16", "megatron"),
+    ("pp2", "epochs_train_end", "max_steps", 3, "all_params", False, "datamodule", "step", "bf16-mixed", "adamw"),
+    ("dp2", "steps", "clean", 3, "trainable_only", False, "stateful0", "epoch", "32", "distributed"),
+    ("dp2", "topk", "kill", 1, "lora", True, "stateful2", "step", "bf16-true", "adamw"),
+    ("pp2", "epochs", "clean", 1, "none", True, "plain", "step", "32", "distributed_full"),
+    ("tp2", "time", "kill", 3, "none", False, "stateful2", "epoch", "bf16-mixed", "distributed_full"),
+    ("tp2", "epochs_train_end", "max_steps", 1, "trainable_only", True, "stateful0", "step", "megatron-bf16", "distributed"),
+    ("pp2", "epochs", "sigterm", 3, "lora", False, "stateful0", "epoch", "bf16-true", "adamw"),
+    ("dp2", "steps", "sigterm", 1, "none", True, "datamodule", "step", "bf16-mixed", "megatron"),
+    ("pp2", "topk", "kill", 3, "trainable_only", False, "plain", "epoch", "megatron-bf16", "megatron"),
+    ("tp2", "time", "clean", 1, "lora", False, "datamodule", "epoch", "32", "adamw"),
+    ("dp2", "epochs", "max_steps", 3, "all_params", True, "stateful2", "epoch", "32", "megatron"),
+    ("dp2", "epochs_train_end", "sigterm", 3, "trainable_only", True, "stateful2", "epoch", "megatron-bf16", "distributed_full"),
+    ("tp2", "steps", "max_steps", 1, "lora", True, "plain", "epoch", "bf16-true", "adamw"),
+    ("pp2", "epochs", "kill", 1, "trainable_only", False, "datamodule", "epoch", "bf16-mixed", "distributed"),
+    ("tp2", "topk", "clean", 1, "all_params", True, "stateful0", "step", "bf16-mixed", "distributed_full"),
+    ("dp2", "time", "max_steps", 3, "none", False, "stateful0", "step", "megatron-bf16", "distributed"),
+    ("pp2", "steps", "kill", 1, "all_params", True, "stateful2", "epoch", "32", "distributed"),
+    ("dp2", "topk", "sigterm", 3, "none", False, "plain", "step", "32", "distributed"),
+    ("tp2", "epochs_train_end", "clean", 3, "none", True, "datamodule", "epoch", "bf16-true", "adamw"),
+    ("pp2", "time", "kill", 3, "trainable_only", True, "stateful0", "epoch", "bf16-true", "adamw"),
+    ("tp2", "epochs", "max_steps", 1, "trainable_only", False, "datamodule", "epoch", "megatron-bf16", "distributed_full"),
+    ("pp2", "epochs_train_end", "kill", 1, "lora", False, "plain", "epoch", "bf16-mixed", "adamw"),
+    ("tp2", "epochs_train_end", "clean", 1, "none", True, "stateful0", "step", "32", "megatron"),
+    ("dp2", "steps", "clean", 3, "none", True, "stateful2", "step", "megatron-bf16", "distributed_full"),
+    ("pp2", "topk", "max_steps", 1, "all_params", True, "datamodule", "epoch", "bf16-true", "adamw"),
 ]
 # fmt: on
 

@@ -11,14 +11,9 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt import _cpu
 
-__all__ = ["backend_for", "default_backend", "destroy", "initialize"]
+__all__ = ["backend_for", "destroy", "initialize"]
 
 log = logging.getLogger(__name__)
-
-
-def default_backend() -> str:
-    """``nccl`` where CUDA is available, ``gloo`` otherwise."""
-    return "nccl" if _cpu.cuda_available() else "gloo"
 
 
 def backend_for(device_type: str, requested: str | None) -> str:
@@ -51,6 +46,7 @@ def initialize(
     seed: int = 1234,
     backend: str | None = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    device_type: str | None = None,
 ) -> None:
     """Join the default process group (from the launcher's environment) and set up Megatron-Core.
 
@@ -59,14 +55,20 @@ def initialize(
     from the environment), then ``parallel_state.initialize_model_parallel`` and Megatron's RNG
     tracker (``model_parallel_cuda_manual_seed``), so that dropout in tensor-parallel regions is
     seeded per tensor-parallel rank exactly as Megatron-LM does it.
+
+    ``device_type`` is what the ranks compute on (``"cpu"`` or ``"cuda"``; default: CUDA where
+    the machine has it): it picks the backend (:func:`backend_for`) and whether the CPU runtime
+    is installed.
     """
     from megatron.core import parallel_state
 
-    _cpu.install()
+    if device_type is None:
+        device_type = "cuda" if _cpu.cuda_available() else "cpu"
+    _cpu.install(device_type)
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend or default_backend(), timeout=timeout)
+        dist.init_process_group(backend=backend_for(device_type, backend), timeout=timeout)
     world = dist.get_world_size()
     model_parallel = (
         tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size

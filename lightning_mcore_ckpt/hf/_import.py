@@ -127,7 +127,7 @@ def _single_process_parallel_state() -> Iterator[None]:
             log.debug("import: creating a single-process gloo group")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         if created_mp:
-            _parallel.initialize(backend="gloo")
+            _parallel.initialize(backend="gloo", device_type="cpu")
         yield
     finally:
         if created_mp and parallel_state.model_parallel_is_initialized():

@@ -173,6 +173,7 @@ class MegatronParallelBase(ParallelStrategy):
             expert_model_parallel_size=self.expert_model_parallel_size,
             seed=self.seed,
             timeout=self._timeout,
+            device_type=self.root_device.type,
         )
 
     def _convert_precision(self) -> None:

@@ -28,7 +28,7 @@ def _train_tp2_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict[str, 
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import tiny_gpt
 
-    _parallel.initialize(tensor_model_parallel_size=2, seed=1234)
+    _parallel.initialize(tensor_model_parallel_size=2, seed=1234, device_type="cpu")
     model = tiny_gpt(hidden_dropout=0.2, attention_dropout=0.2)
     model.train()
     inputs, labels, position_ids = _tokens(seed=0)
@@ -58,7 +58,7 @@ def _load_tp1(rank: int, world_size: int, ckpt_dir: str) -> dict[str, torch.Tens
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import tiny_gpt
 
-    _parallel.initialize(tensor_model_parallel_size=1, seed=999)
+    _parallel.initialize(tensor_model_parallel_size=1, seed=999, device_type="cpu")
     model = tiny_gpt()
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
     full = gather_sharded(model.sharded_state_dict())

@@ -59,7 +59,7 @@ def _load_weights(rank: int, world_size: int, step_dir: str) -> dict[str, torch.
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import tiny_gpt
 
-    _parallel.initialize(tensor_model_parallel_size=1)
+    _parallel.initialize(tensor_model_parallel_size=1, device_type="cpu")
     module = torch.nn.Module()
     module.gpt = tiny_gpt()
     from lightning_mcore_ckpt.engine._state_dicts import _module_sharded_state_dict

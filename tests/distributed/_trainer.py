@@ -56,3 +56,26 @@ def gathered_optimizer(trainer: Any) -> dict[str, torch.Tensor]:
             metadata=megatron_optimizer_metadata("fully_reshardable"),
         )
     )
+
+
+def resume_and_continue(
+    module: Any, strategy: Any, world_size: int, step_dir: str, max_steps: int
+) -> dict[str, Any]:
+    """Resume ``module`` from ``step_dir`` up to ``max_steps``: what the load restored (the
+    gathered weights and optimizer state, and the step, at the start of training), the losses
+    after it and the step it ended at."""
+    import lightning.pytorch as pl
+
+    seen: dict[str, Any] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            seen["weights"] = gathered_weights(trainer)
+            seen["optim"] = gathered_optimizer(trainer)
+            seen["start_step"] = trainer.global_step
+
+    trainer = make_trainer(max_steps, strategy, world_size, callbacks=[Capture()])
+    trainer.fit(module, train_dataloaders=loader(16, 2, shuffle=True), ckpt_path=step_dir)
+    seen["losses"] = module.step_losses
+    seen["end_step"] = trainer.global_step
+    return seen

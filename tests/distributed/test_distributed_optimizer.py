@@ -55,25 +55,10 @@ def _train_and_save(
 def _load_and_continue(
     rank: int, world_size: int, step_dir: str, layout: tuple[int, int], sharding: str, bf16: bool
 ) -> dict[str, object]:
-    import lightning.pytorch as pl
-    from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
+    from _trainer import resume_and_continue
 
-    seen: dict[str, object] = {}
-
-    class Capture(pl.Callback):
-        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-            seen["weights"] = gathered_weights(trainer)
-            seen["optim"] = gathered_optimizer(trainer)
-            seen["start_step"] = trainer.global_step
-
-    module = _module(bf16)
-    trainer = make_trainer(
-        SAVED_STEPS + 2, _strategy(*layout, sharding), world_size, callbacks=[Capture()]
-    )
-    trainer.fit(module, train_dataloaders=loader(16, 2, shuffle=True), ckpt_path=step_dir)
-    seen["losses"] = module.step_losses
-    seen["end_step"] = trainer.global_step
-    return seen
+    strategy = _strategy(*layout, sharding)
+    return resume_and_continue(_module(bf16), strategy, world_size, step_dir, SAVED_STEPS + 2)
 
 
 # (sharding, bf16, (saving world, tp, pp), (loading world, tp, pp))

@@ -402,3 +402,50 @@ def test_import_leaves_the_environment_and_process_groups_as_it_found_them(
         step = tmp_path / name
         assert sorted(p.name for p in step.iterdir()) == ["metadata.json", "model"]
     assert not list(tmp_path.glob(".fresh*")) and not list(tmp_path.glob(".existing*"))
+
+
+def _train_bf16_true(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import HFGPTModule
+
+    src = str(Path(tmp, "src"))
+    trainer = make_trainer(
+        2,
+        MegatronStrategy(tensor_model_parallel_size=2, init_from=src),
+        world_size,
+        precision="bf16-true",
+        callbacks=[MegatronCheckpoint(Path(tmp, "ckpt"), hf_export=HFExport(src))],
+        enable_checkpointing=True,
+    )
+    module = HFGPTModule(src, lr=1e-2)
+    trainer.fit(module, train_dataloaders=loader(8, 2))
+    trainer.strategy.teardown()
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = module.logits(probe).float()
+    return {"logits": logits, "probe": probe, "dtypes": {str(p.dtype) for p in module.parameters()}}
+
+
+def test_a_bf16_model_exports_in_bf16_and_computes_what_it_computed(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mcore_ckpt.tiny import tiny_hf_model
+
+    tiny_hf_model(tmp_path / "src", "qwen2")
+    out = run_distributed(_train_bf16_true, 2, str(tmp_path), timeout=240)[0]
+    assert out["dtypes"] == {"torch.bfloat16"}
+    exported = tmp_path / "ckpt" / "global_step_2" / "huggingface"
+    files = list(exported.glob("*.safetensors"))
+    assert files
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}, file
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        hf = model(out["probe"]).logits.float()
+    # Both compute in bf16, with different kernels (fused QKV, layer order of the sums).
+    torch.testing.assert_close(out["logits"], hf, rtol=0, atol=5e-2)

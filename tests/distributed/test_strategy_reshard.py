@@ -32,31 +32,13 @@ def _train_and_save(
 def _load_and_continue(
     rank: int, world_size: int, step_dir: str, tp: int, pp: int
 ) -> dict[str, object]:
-    import lightning.pytorch as pl
-    from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
+    from _trainer import resume_and_continue
 
     from lightning_mcore_ckpt import MegatronStrategy
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
-    seen: dict[str, object] = {}
-
-    class Capture(pl.Callback):
-        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-            seen["weights"] = gathered_weights(trainer)
-            seen["optim"] = gathered_optimizer(trainer)
-            seen["start_step"] = trainer.global_step
-
-    module = TinyGPTModule()
-    trainer = make_trainer(
-        SAVED_STEPS + 2,
-        MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-        world_size,
-        callbacks=[Capture()],
-    )
-    trainer.fit(module, train_dataloaders=loader(16, 2, shuffle=True), ckpt_path=step_dir)
-    seen["losses"] = module.step_losses
-    seen["end_step"] = trainer.global_step
-    return seen
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return resume_and_continue(TinyGPTModule(), strategy, world_size, step_dir, SAVED_STEPS + 2)
 
 
 @pytest.mark.parametrize(

@@ -265,14 +265,23 @@ def loading_distributed_optimizers(optimizers: Sequence[Any]) -> Iterator[None]:
     * Their fp32 main parameters are views of the model's parameters (leaves that need a
       gradient): the state is copied in under ``torch.no_grad()``.
     * A fully reshardable state holds no per-parameter ``step``, which their setter expects of
-      torch Adam's state: it is told there is none to copy (the count comes from the groups).
+      torch Adam's state: it is given the current one to copy (the count comes from the groups).
     * Afterwards, :func:`restore_steps_from_groups`.
     """
     for opt in optimizers:
         stock = opt._set_main_param_and_optimizer_states
 
-        def setter(model_param: Any, tensors: dict[str, Any], _stock: Any = stock) -> Any:
-            return _stock(model_param, {"step": None, **tensors})
+        def setter(
+            model_param: Any, tensors: dict[str, Any], _stock: Any = stock, _opt: Any = opt
+        ) -> Any:
+            if "step" not in tensors:
+                # The count stays as it is (its own tensor copied onto itself).
+                group, order = _opt.model_param_group_index_map[model_param]
+                main_param = _opt.optimizer.param_groups[group]["params"][order]
+                step = _opt.optimizer.state.get(main_param, {}).get("step")
+                if step is not None:
+                    tensors = {**tensors, "step": step}
+            return _stock(model_param, tensors)
 
         opt._set_main_param_and_optimizer_states = setter
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,14 +43,22 @@ def _strategy(tp: int, pp: int, sharding: str, async_save: bool = False) -> obje
 
 
 def _train_and_save(
-    rank: int, world_size: int, step_dir: str, layout: tuple[int, int], sharding: str, bf16: bool
+    rank: int,
+    world_size: int,
+    step_dir: str,
+    layout: tuple[int, int],
+    sharding: str,
+    bf16: bool,
+    async_save: bool,
 ) -> dict[str, object]:
     from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
 
-    trainer = make_trainer(SAVED_STEPS, _strategy(*layout, sharding), world_size)
+    trainer = make_trainer(SAVED_STEPS, _strategy(*layout, sharding, async_save), world_size)
     trainer.fit(_module(bf16), train_dataloaders=loader(16, 2, shuffle=True))
+    saved = {"weights": gathered_weights(trainer), "optim": gathered_optimizer(trainer)}
     trainer.save_checkpoint(step_dir)
-    return {"weights": gathered_weights(trainer), "optim": gathered_optimizer(trainer)}
+    trainer.strategy.teardown()  # an async save is written and committed by then
+    return saved
 
 
 def _load_and_continue(
@@ -61,31 +70,38 @@ def _load_and_continue(
     return resume_and_continue(_module(bf16), strategy, world_size, step_dir, SAVED_STEPS + 2)
 
 
-# (sharding, bf16, (saving world, tp, pp), (loading world, tp, pp))
+# (sharding, bf16 weights, async save, (saving world, tp, pp), (loading world, tp, pp))
 CASES = [
-    ("dp_reshardable", False, (2, 1, 1), (1, 1, 1)),
-    ("dp_reshardable", True, (1, 1, 1), (2, 1, 1)),
-    ("dp_reshardable", False, (2, 2, 1), (2, 2, 1)),
-    ("fully_reshardable", True, (2, 2, 1), (2, 1, 1)),
-    ("fully_reshardable", False, (2, 1, 1), (2, 2, 1)),
-    ("fully_reshardable", False, (2, 1, 2), (1, 1, 1)),
-    ("fully_reshardable", True, (1, 1, 1), (2, 1, 2)),
+    ("dp_reshardable", False, False, (2, 1, 1), (1, 1, 1)),
+    ("dp_reshardable", True, True, (1, 1, 1), (2, 1, 1)),
+    ("fully_reshardable", True, False, (2, 2, 1), (2, 1, 1)),
+    ("fully_reshardable", False, True, (2, 1, 1), (2, 2, 1)),
+    ("fully_reshardable", False, False, (2, 1, 2), (1, 1, 1)),
+    ("fully_reshardable", True, True, (1, 1, 1), (2, 1, 2)),
 ]
 
 
 def _name(case: tuple[object, ...]) -> str:
-    sharding, bf16, (sw, stp, spp), (lw, ltp, lpp) = case  # type: ignore[misc]
-    return f"{sharding}-{'bf16' if bf16 else 'fp32'}-w{sw}tp{stp}pp{spp}-to-w{lw}tp{ltp}pp{lpp}"
+    sharding, bf16, async_save, (sw, stp, spp), (lw, ltp, lpp) = case  # type: ignore[misc]
+    dtype, saves = "bf16" if bf16 else "fp32", "async" if async_save else "sync"
+    return f"{sharding}-{dtype}-{saves}-w{sw}tp{stp}pp{spp}-to-w{lw}tp{ltp}pp{lpp}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_name(c) for c in CASES])
 def test_a_load_restores_the_gathered_state_it_saved(
     tmp_path: Path, case: tuple[object, ...]
 ) -> None:
-    sharding, bf16, (save_world, *save_layout), (load_world, *load_layout) = case  # type: ignore[misc]
+    sharding, bf16, async_save, (save_world, *save_layout), (load_world, *load_layout) = case  # type: ignore[misc]
     step_dir = str(tmp_path / f"global_step_{SAVED_STEPS}")
     saved = run_distributed(
-        _train_and_save, save_world, step_dir, tuple(save_layout), sharding, bf16, timeout=240
+        _train_and_save,
+        save_world,
+        step_dir,
+        tuple(save_layout),
+        sharding,
+        bf16,
+        async_save,
+        timeout=240,
     )[0]
     loaded = run_distributed(
         _load_and_continue, load_world, step_dir, tuple(load_layout), sharding, bf16, timeout=240
@@ -111,11 +127,15 @@ def test_a_load_restores_the_gathered_state_it_saved(
         assert len(r["losses"]) == 2 and all(torch.isfinite(x) for x in r["losses"])
     metadata = json.loads((Path(step_dir) / "metadata.json").read_text())
     assert metadata["optimizer_sharding"] == sharding
+    assert metadata["async"] == async_save
+    assert layout.verify_step(Path(step_dir)) == []
 
 
 def test_dp_reshardable_into_another_tensor_parallel_size_is_refused(tmp_path: Path) -> None:
     step_dir = str(tmp_path / f"global_step_{SAVED_STEPS}")
-    run_distributed(_train_and_save, 2, step_dir, (1, 1), "dp_reshardable", False, timeout=240)
+    run_distributed(
+        _train_and_save, 2, step_dir, (1, 1), "dp_reshardable", False, False, timeout=240
+    )
     before = sorted(p.name for p in Path(step_dir).rglob("*"))
     with pytest.raises(DistributedFailure) as info:
         # Loading asks for fully_reshardable: the step's own type is the one that counts.
@@ -131,40 +151,6 @@ def test_dp_reshardable_into_another_tensor_parallel_size_is_refused(tmp_path: P
         assert needed in message, message
     assert "rank 0" in message or "rank 1" in message
     assert sorted(p.name for p in Path(step_dir).rglob("*")) == before
-
-
-def _save_sync_or_async(
-    rank: int, world_size: int, step_dir: str, async_save: bool
-) -> dict[str, object]:
-    from _trainer import gathered_optimizer, loader, make_trainer
-
-    strategy = _strategy(1, 1, "dp_reshardable", async_save=async_save)
-    trainer = make_trainer(SAVED_STEPS, strategy, world_size)
-    trainer.fit(_module(True), train_dataloaders=loader(16, 2, shuffle=True))
-    optim = gathered_optimizer(trainer)
-    trainer.save_checkpoint(step_dir)
-    trainer.strategy.teardown()  # waits for the background write and commits it
-    return {"optim": optim}
-
-
-def test_an_async_save_of_the_distributed_optimizer_loads_like_a_sync_one(
-    tmp_path: Path,
-) -> None:
-    from lightning_mcore_ckpt import layout
-
-    sync_dir, async_dir = tmp_path / "sync" / "global_step_2", tmp_path / "async" / "global_step_2"
-    a = run_distributed(_save_sync_or_async, 2, str(sync_dir), False, timeout=240)[0]
-    b = run_distributed(_save_sync_or_async, 2, str(async_dir), True, timeout=240)[0]
-    for key, tensor in a["optim"].items():
-        assert torch.equal(tensor, b["optim"][key]), key
-    assert layout.verify_step(async_dir) == []
-    for step in (sync_dir, async_dir):
-        loaded = run_distributed(
-            _load_and_continue, 2, str(step), (1, 1), "dp_reshardable", True, timeout=240
-        )
-        for r in loaded:
-            for key, tensor in a["optim"].items():
-                assert torch.equal(tensor, r["optim"][key]), f"{step}: {key}"
 
 
 def _bf16_true_over_megatron_ddp(rank: int, world_size: int, tmp: str) -> None:

@@ -232,13 +232,13 @@ class CheckpointReader:
 
         if not distributed_optimizers(state.optimizers):
             return megatron_optimizer_metadata(state.optimizer_sharding)
-        saved = dist_checkpointing.load_content_metadata(str(directory))
+        saved = dist_checkpointing.load_content_metadata(str(directory)) or {}
         # The saved format, gathered the way this machine can.
+        sharding = saved.get("distrib_optim_sharding_type", state.optimizer_sharding)
         metadata = {
-            **(saved or megatron_optimizer_metadata(state.optimizer_sharding)),
-            **_cpu.optimizer_metadata_overrides(),
+            **megatron_optimizer_metadata(sharding),
+            **{k: v for k, v in saved.items() if k == "chained_optim_avoid_prefix"},
         }
-        sharding = metadata.get("distrib_optim_sharding_type")
         if sharding not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
                 f"checkpoint {directory.parent}: its distributed optimizer state has sharding "

@@ -113,13 +113,18 @@ def to_module_keys(module: torch.nn.Module, state_dict: dict[str, Any]) -> dict[
     return out
 
 
+_FORMAT_KEYS = ("distrib_optim_sharding_type", "chained_optim_avoid_prefix")
+"""The keys of :func:`megatron_optimizer_metadata` that describe the saved format."""
+
+
 def megatron_optimizer_metadata(sharding: str) -> dict[str, Any]:
     """What Megatron-Core's optimizers are told when their sharded state dict is built.
 
     The same as Megatron-LM's training loop passes (``_build_sharded_state_dict_metadata``):
     the distributed optimizer's sharding type, and no ``chained_<i>.`` key prefix for a
-    fully reshardable state. It is saved as the ``optim/`` directory's content metadata and
-    read back from there on load: a step always loads with the format it was written in.
+    fully reshardable state (both saved as the ``optim/`` directory's content metadata and read
+    back from there on load: a step always loads with the format it was written in), and how
+    this machine gathers it (:func:`_cpu.optimizer_metadata_overrides`, not saved).
     """
     return {
         "distrib_optim_sharding_type": sharding,
@@ -184,7 +189,9 @@ def optimizers_to_save(
         state.optimizers, state.module, state.model_sharded_state_dict(), False, metadata
     )
     sharding = state.optimizer_sharding if distributed_optimizers(state.optimizers) else None
-    return ssd, metadata, sharding
+    # Saved: the format only, not how this machine gathers it.
+    content = {key: metadata[key] for key in _FORMAT_KEYS}
+    return ssd, content, sharding
 
 
 def stateless_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[int]]:

@@ -127,6 +127,14 @@ def test_a_load_restores_the_gathered_state_it_saved(
         assert len(r["losses"]) == 2 and all(torch.isfinite(x) for x in r["losses"])
     metadata = json.loads((Path(step_dir) / "metadata.json").read_text())
     assert metadata["optimizer_sharding"] == sharding
+    # Megatron-Core's own record of the format: the format only (a GPU gathers it its own way).
+    from megatron.core import dist_checkpointing
+
+    saved_format = dist_checkpointing.load_content_metadata(str(Path(step_dir) / "optim"))
+    assert saved_format == {
+        "distrib_optim_sharding_type": sharding,
+        "chained_optim_avoid_prefix": True,
+    }
     assert metadata["async"] == async_save
     assert layout.verify_step(Path(step_dir)) == []
 

@@ -113,14 +113,24 @@ def _module(size: str) -> Any:
     return Sized(dropout=0.0)
 
 
-def _trainer(max_steps: int, tp: int, world: int, callbacks: list[Any], async_save: bool) -> Any:
+def _trainer(
+    max_steps: int,
+    tp: int,
+    world: int,
+    callbacks: list[Any],
+    async_save: bool,
+    device: str = "cpu",
+    writer: str = "threads",
+) -> Any:
     import lightning.pytorch as pl
 
     from lightning_mcore_ckpt import MegatronStrategy
 
     return pl.Trainer(
-        strategy=MegatronStrategy(tensor_model_parallel_size=tp, ckpt_async_save=async_save),
-        accelerator="cpu",
+        strategy=MegatronStrategy(
+            tensor_model_parallel_size=tp, ckpt_async_save=async_save, ckpt_writer=writer
+        ),
+        accelerator=device,
         devices=world,
         max_steps=max_steps,
         logger=False,
@@ -156,20 +166,31 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     # 1. This package, through a real Trainer: figures from each committed step's metadata.
     # Saves three steps apart, so that an async write finishes before the next save (as it
     # does in real runs, where saves are minutes apart).
+    # Steady state: every save but the first, which is reported on its own. The Megatron-Core
+    # writer (forked per save, or NVRx where it installs) is measured next to ours.
     every = cfg.get("every", 3)
-    for mode in ("sync", "async"):
-        dirpath = root / f"ours-{mode}"
+    device = cfg.get("device", "cpu")
+    modes = [("sync", "threads"), ("async", "threads"), ("async", "megatron")]
+    for mode, writer in modes:
+        name = f"ours-{mode}" if writer == "threads" else f"ours-{mode} (megatron writer)"
+        dirpath = root / f"ours-{mode}-{writer}"
         module = _module(size)
         callback = MegatronCheckpoint(dirpath, every_n_train_steps=every, save_last=False)
         with PeakRSS() as rss:
-            trainer = _trainer(repeats * every, tp, world, [callback], mode == "async")
+            trainer = _trainer(
+                repeats * every, tp, world, [callback], mode == "async", device, writer
+            )
             trainer.fit(module, train_dataloaders=_loader())
         if rank == 0:
             metas = [layout.read_metadata(s.path) or {} for s in layout.complete_steps(dirpath)]
-            out[f"ours-{mode}"] = {
-                "save_s": _summary([m["total_time_s"] for m in metas]),
-                "blocking_s": _summary([m["blocking_time_s"] for m in metas]),
-                "write_s": _summary([m["write_time_s"] for m in metas]),
+            metas.sort(key=lambda m: m["global_step"])
+            steady = metas[1:] or metas
+            out[name] = {
+                "save_s": _summary([m["total_time_s"] for m in steady]),
+                "blocking_s": _summary([m["blocking_time_s"] for m in steady]),
+                "write_s": _summary([m["write_time_s"] for m in steady]),
+                "first_save_s": metas[0]["total_time_s"],
+                "first_blocking_s": metas[0]["blocking_time_s"],
                 "bytes": metas[-1]["size_bytes"],
                 "peak_rss_extra": rss.extra,
             }
@@ -274,6 +295,40 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         seconds, load_extra = _timed(lambda path=path: dcp.load(plain, checkpoint_id=str(path)))
         loads.append(seconds)
     out["torch.distributed.checkpoint"] = _figures(saves, loads, bytes_, save_extra, load_extra)
+
+    # 5. torch DCP's own async save (its default stager: pinned memory on GPU; a thread writer).
+    saves, blocks = [], []
+    for i in range(repeats):
+        path = fresh(f"dcp-async-{i}")
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            future = dcp.async_save(plain, checkpoint_id=str(path))
+            blocks.append(time.perf_counter() - start)
+            future.result()
+            dist.barrier()
+            saves.append(time.perf_counter() - start)
+    out["torch DCP async"] = {
+        "save_s": _summary(saves),
+        "blocking_s": _summary(blocks),
+        "bytes": tree_bytes(path),
+        "peak_rss_extra": rss.extra,
+    }
+    return out
+
+
+def d2h_bandwidth(size: int = 2**30) -> dict[str, float]:
+    """Device-to-host copy bandwidth (GB/s) into pinned and into pageable memory."""
+    device = torch.ones(size // 4, device="cuda")
+    out = {}
+    for name, pinned in (("pinned_d2h_gbps", True), ("pageable_d2h_gbps", False)):
+        host = torch.empty(size // 4, pin_memory=pinned)
+        host.copy_(device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            host.copy_(device, non_blocking=pinned)
+        torch.cuda.synchronize()
+        out[name] = 3 * size / (time.perf_counter() - start) / 1e9
     return out
 
 
@@ -310,7 +365,9 @@ def step_overhead(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         hook.append(time.perf_counter() - start)
 
     callback.on_train_batch_end = timed  # type: ignore[method-assign]
-    trainer = _trainer(cfg["steps"], world, world, [Clock(), callback], async_save=False)
+    trainer = _trainer(
+        cfg["steps"], world, world, [Clock(), callback], False, cfg.get("device", "cpu")
+    )
     trainer.fit(_module(cfg["size"]), train_dataloaders=_loader())
     return {"step_s": statistics.median(steps), "callback_s": statistics.median(hook[1:])}
 

@@ -24,6 +24,10 @@ BUILTIN = "mcore"
 """Megatron-Core's own async writer (forked/threaded writers, files through the local FS)."""
 NVRX = "nvrx"
 """NVIDIA's resiliency extension writer (persistent worker; an optional extra)."""
+THREADS = "threads"
+"""Our own writer: Megatron-Core's plans, written by a persistent thread pool of each rank."""
+WRITERS = (THREADS, "megatron")
+"""The values of ``MegatronStrategy(ckpt_writer=...)``: ``"megatron"`` is :func:`async_strategy`."""
 
 
 def package_version(name: str) -> str | None:
@@ -111,9 +115,19 @@ def async_strategy() -> str:
     return choice
 
 
-def save_kwargs() -> dict[str, Any]:
-    """Keyword arguments for ``dist_checkpointing.save`` that select :func:`async_strategy`."""
-    return {"async_strategy": async_strategy()} if _save_takes_async_strategy() else {}
+def save_kwargs(writer: str = "megatron") -> dict[str, Any]:
+    """Keyword arguments for ``dist_checkpointing.save`` that select :func:`async_strategy`
+    (``writer="threads"``: Megatron-Core's built-in requests, which our writer runs)."""
+    if not _save_takes_async_strategy():
+        return {}
+    return {"async_strategy": BUILTIN if writer == THREADS else async_strategy()}
+
+
+def builtin_request_class() -> type:
+    """Megatron-Core's own ``AsyncRequest`` (0.16 and 0.19)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    return AsyncRequest
 
 
 def async_classes() -> tuple[type, type]:

@@ -81,6 +81,18 @@ def _params_with_saved_state(
     ]
 
 
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's Adam/AdamW: the state their step would create for the parameters with a gradient,
+    made by the step's own ``_init_group`` without the step's arithmetic (a third of a load's
+    time for a large model on CPU). ``False`` for any other optimizer."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    for group in optimizer.param_groups:
+        lists: list[list[Any]] = [[] for _ in range(6)]
+        optimizer._init_group(group, *lists)  # type: ignore[attr-defined]
+    return True
+
+
 def init_state(
     optimizer: torch.optim.Optimizer,
     model_sharded_state_dict: Mapping[str, Any] | None = None,
@@ -110,9 +122,11 @@ def init_state(
     try:
         for p in saved_grads:
             p.grad = torch.zeros_like(p) if id(p) in stepped else None
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else group["lr"] * 0
-        optimizer.step()
+        if not _init_adam_state(optimizer):
+            for group in optimizer.param_groups:
+                lr = group["lr"]
+                group["lr"] = 0.0 if not isinstance(lr, torch.Tensor) else lr * 0
+            optimizer.step()
     finally:
         for group, lr in zip(optimizer.param_groups, saved_lr, strict=True):
             group["lr"] = lr

@@ -10,7 +10,10 @@ so that every rank raises the same error within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -27,6 +30,14 @@ def _strategy_class() -> type:
         :attr:`deferred_errors` instead of raised before the collective that follows it."""
 
         deferred_errors: list[BaseException]
+        own_writer = False
+        """Our :class:`~._shards.ShardWriter` writes: results go to a queue of this process."""
+
+        def async_save(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.own_writer:
+                return super().async_save(*args, **kwargs)
+            with _local_results_queue():
+                return super().async_save(*args, **kwargs)
 
         def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
             request = super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
@@ -57,10 +68,48 @@ def _strategy_class() -> type:
     return AgreeingTorchDistSaveStrategy
 
 
-def save_strategy(parallel_save: bool, errors: list[BaseException]) -> Any:
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _local_results_queue() -> Iterator[None]:
+    """While a save is planned: Megatron-Core's writer gets a results queue of this process
+    (our writer threads fill it), not a ``multiprocessing.Manager`` queue (a process)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from lightning_mcore_ckpt.engine._shards import results_queue
+
+    # megatron-core 0.16: _get_write_results_queue(); 0.19: get_write_results_queue().
+    names = [
+        n
+        for n in ("_get_write_results_queue", "get_write_results_queue")
+        if hasattr(filesystem_async, n)
+    ]
+    with _swap_lock:
+        stock = {n: getattr(filesystem_async, n) for n in names}
+        for name in names:
+            setattr(filesystem_async, name, lambda *a, **k: results_queue())
+        try:
+            yield
+        finally:
+            for name, fn in stock.items():
+                setattr(filesystem_async, name, fn)
+
+
+def save_strategy(
+    parallel_save: bool,
+    errors: list[BaseException],
+    *,
+    thread_count: int | None = None,
+    cache_plans: bool = False,
+    own_writer: bool = False,
+) -> Any:
     """Megatron-Core's default ``torch_dist`` save strategy, keeping rank 0's ``.metadata`` write
     error in ``errors``; with ``parallel_save``, the writes of replicated tensors are spread
-    across the data-parallel ranks."""
+    across the data-parallel ranks. ``thread_count``: files per rank (default: Megatron-Core's);
+    ``cache_plans``: Megatron-Core reuses the plans of the previous saves (only for a state
+    whose structure is known not to change: see ``_plans``); ``own_writer``: for
+    :class:`~._shards.ShardWriter`."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.serialization import (
         get_default_save_sharded_strategy,
@@ -71,12 +120,24 @@ def save_strategy(parallel_save: bool, errors: list[BaseException]) -> Any:
 
     default = get_default_save_sharded_strategy("torch_dist")
     strategy = _strategy_class()(
-        backend=default.backend, version=default.version, thread_count=default.thread_count
+        backend=default.backend,
+        version=default.version,
+        thread_count=thread_count or default.thread_count,
+        cached_metadata=cache_plans,
     )
     strategy.deferred_errors = errors
+    strategy.own_writer = own_writer
+    if own_writer:
+        # Its deprecation notice is about its async caller, which our writer replaces.
+        from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+        if hasattr(torch_strategy, "_logged_mcore_async_deprecation"):
+            torch_strategy._logged_mcore_async_deprecation = True
     if parallel_save and parallel_state.get_data_parallel_world_size() > 1:
         return FullyParallelSaveStrategyWrapper(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+            strategy,
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            do_cache_distribution=cache_plans,
         )
     return strategy
 

@@ -9,7 +9,9 @@ from typing import Any
 from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, _safe_dcp, _safe_load, layout
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
+from lightning_mcore_ckpt.engine._reading import load_strategy
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
+from lightning_mcore_ckpt.engine._shards import default_write_threads
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
     distributed_optimizers,
@@ -50,9 +52,11 @@ class CheckpointReader:
     ``_safe_load.trusted_by_user``) skips the checks and loads every pickle as torch would.
     """
 
-    def __init__(self, *, parallel_load: bool = False) -> None:
+    def __init__(self, *, parallel_load: bool = False, read_threads: int | None = None) -> None:
         self.parallel_load = parallel_load
         """Spread the reads across data-parallel ranks (CUDA only; ignored on CPU)."""
+        self.read_threads = read_threads or default_write_threads()
+        """Shard files each rank reads at once."""
 
     def resolve(
         self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
@@ -93,7 +97,7 @@ class CheckpointReader:
             FullyParallelLoadStrategyWrapper,
         )
 
-        strategy = get_default_load_sharded_strategy(str(path))
+        strategy = load_strategy(get_default_load_sharded_strategy(str(path)), self.read_threads)
         if self.parallel_load and parallel_state.get_data_parallel_world_size() > 1:
             if _cpu.parallel_load_supported():
                 strategy = FullyParallelLoadStrategyWrapper(

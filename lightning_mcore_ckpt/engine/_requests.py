@@ -11,10 +11,20 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt import _compat
+from lightning_mcore_ckpt import _compat, layout
+from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors
 from lightning_mcore_ckpt.engine._records import SaveOptions
+from lightning_mcore_ckpt.engine._shards import BackgroundWrites
+from lightning_mcore_ckpt.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 
-__all__ = ["PendingSave", "combine_async_requests", "run_in_order", "stop_writers"]
+__all__ = [
+    "PendingSave",
+    "combine_async_requests",
+    "create_step_directories",
+    "plan_requests",
+    "run_in_order",
+    "stop_writers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,51 @@ class PendingSave:
     """Where the finalising collectives place their tensors."""
     kept: list[BaseException]
     """Rank 0's finalisation errors, kept to be shared (see ``_agreeing``)."""
+
+
+def create_step_directories(path: Path, contents: list[str], managed: bool) -> str | None:
+    """Rank 0: the new step directory and its sub-directories; what went wrong, if any."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        return (
+            f"checkpoint directory {path} exists and is not empty; "
+            "save each step to a new directory"
+        )
+    try:
+        layout.mark_step_started(path, managed=managed)
+        for sub, wanted in ((MODEL_DIR, "model"), (OPTIM_DIR, "optimizer"), (EXTRA_DIR, "extra")):
+            if wanted in contents:
+                (path / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot create checkpoint directory {path}: {err}"
+    return None
+
+
+def plan_requests(
+    parts: Sequence[tuple[dict[str, Any], Path, dict[str, Any] | None]],
+    strategies: dict[str, Any],
+    kept: list[BaseException],
+    writer: str,
+) -> list[tuple[str, Any]]:
+    """Megatron-Core's planned save request of each ``(sharded state dict, directory, content
+    metadata)``, named by its directory; rank 0's finalisation errors go to ``kept``."""
+    from megatron.core import dist_checkpointing
+
+    requests = []
+    for sharded_state_dict, directory, content_metadata in parts:
+        strategy = strategies[directory.name]
+        getattr(strategy, "base_strategy", strategy).deferred_errors = kept
+        request = dist_checkpointing.save(
+            sharded_state_dict,
+            str(directory),
+            sharded_strategy=strategy,
+            async_sharded_save=True,
+            content_metadata=content_metadata,
+            **_compat.save_kwargs(writer),
+        )
+        if request is not None:
+            defer_metadata_errors(request, kept, strategy, str(directory))
+            requests.append((directory.name, request))
+    return requests
 
 
 def run_in_order(
@@ -78,6 +133,9 @@ def combine_async_requests(requests: Sequence[Any], write_timer: torch.Tensor) -
 def stop_writers(queue: Any) -> None:
     """Kill this rank's background writer processes of ``queue`` and close it, finalising
     nothing (their saves stay uncommitted). Local; logs what goes wrong, raises nothing."""
+    if isinstance(queue, BackgroundWrites):
+        queue.close(abort=True)  # its thread stops at the next record
+        return
     try:
         for call in list(getattr(queue, "async_calls", ())):
             # The writer process and the worker processes it started (megatron-core 0.16 writes

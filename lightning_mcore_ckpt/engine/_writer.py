@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_mcore_ckpt import _compat, _safe_load, layout, retention
-from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors, save_strategy
+from lightning_mcore_ckpt import _compat, _safe_load, retention
+from lightning_mcore_ckpt.engine._agreeing import save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
 from lightning_mcore_ckpt.engine._durable import commit_unowned
 from lightning_mcore_ckpt.engine._extra import RefusalWarnings, write_extra
+from lightning_mcore_ckpt.engine._plans import SavePlans
 from lightning_mcore_ckpt.engine._records import (
     CheckpointSaveError,
     SaveListener,
@@ -26,8 +27,15 @@ from lightning_mcore_ckpt.engine._records import (
 from lightning_mcore_ckpt.engine._requests import (
     PendingSave,
     combine_async_requests,
-    run_in_order,
+    create_step_directories,
+    plan_requests,
     stop_writers,
+)
+from lightning_mcore_ckpt.engine._shards import (
+    BackgroundWrites,
+    OtherRankFailed,
+    ShardWriter,
+    default_write_threads,
 )
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
@@ -72,11 +80,23 @@ class CheckpointWriter:
     :meth:`abandon` and :attr:`pending_path` are local.
     """
 
-    def __init__(self, *, async_save: bool = False, parallel_save: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        parallel_save: bool = True,
+        writer: str = _compat.THREADS,
+        write_threads: int | None = None,
+        cache_plans: bool = True,
+    ) -> None:
         self.async_save = async_save
         """Write model and optimizer shards in the background (unless a save asks otherwise)."""
         self.parallel_save = parallel_save
         """Spread the writes of replicated tensors across data-parallel ranks."""
+        self.writer = writer
+        """``"threads"`` (:class:`~._shards.ShardWriter`) or ``"megatron"`` (Megatron-Core's)."""
+        self.shards = ShardWriter(write_threads or default_write_threads())
+        self.plans = SavePlans(self._strategy, enabled=cache_plans)
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
         self._listeners: list[SaveListener] = []
@@ -111,8 +131,6 @@ class CheckpointWriter:
         listeners that own the path, else raised; a non-empty existing directory is a
         ``FileExistsError`` on every rank.
         """
-        from megatron.core import dist_checkpointing
-
         self.finalize(blocking=True)
         start = time.perf_counter() if options.started_at is None else options.started_at
         _compat.drain_write_results()  # what a failed save left would go into this one
@@ -121,7 +139,7 @@ class CheckpointWriter:
         # A save no listener owns (e.g. trainer.save_checkpoint(path) by hand) commits itself
         # and is marked as not a run's own: retention and cleanup never touch it.
         managed = bool(self._owners(path))
-        problem = self._create_directories(path, contents, managed) if state.rank == 0 else None
+        problem = create_step_directories(path, contents, managed) if state.rank == 0 else None
         # Every rank raises the same error instead of waiting for rank 0 in a barrier.
         problem = broadcast(problem)
         if problem is not None:
@@ -129,40 +147,32 @@ class CheckpointWriter:
                 return self._failed(path, CheckpointSaveError(problem), options)
             raise FileExistsError(problem)
         async_save = self.async_save and not options.synchronous
-        requests = []
         # Rank 0's finalisation errors, kept until every rank has passed the collectives that
         # follow them (see _agreeing), then shared.
         kept: list[BaseException] = []
-        model_ssd = state.model_sharded_state_dict()
         # Sync and async saves take the same path (as dist_checkpointing.save does internally):
         # plan and stage here, write (inline or in the background), then finalise. So both
         # measure the same phases.
         parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
+        own = self.writer == _compat.THREADS
         if "model" in contents:
-            parts.append((model_ssd, path / MODEL_DIR, None))
+            parts.append((state.model_sharded_state_dict(), path / MODEL_DIR, None))
         sharding = None
         if "optimizer" in contents and state.optimizers:
             optim_ssd, optim_meta, sharding = optimizers_to_save(state)
             parts.append((optim_ssd, path / OPTIM_DIR, optim_meta))
-        for sharded_state_dict, directory, content_metadata in parts:
-            sub = directory.name
-            self._refusals.check(
-                f"{sub}/", functools.partial(refused_objects, sharded_state_dict, sub)
+        for ssd, sub in ((ssd, d.name) for ssd, d, _ in parts):
+            self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
+        strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
+        requests = plan_requests(parts, strategies, kept, self.writer)
+        write_timer = torch.zeros(1, dtype=torch.float64)
+        if own:
+            request = self.shards.request(
+                requests, write_timer, async_save, _compat.builtin_request_class()
             )
-            strategy = save_strategy(self.parallel_save, kept)
-            request = dist_checkpointing.save(
-                sharded_state_dict,
-                str(directory),
-                sharded_strategy=strategy,
-                async_sharded_save=True,
-                content_metadata=content_metadata,
-                **_compat.save_kwargs(),
-            )
-            if request is not None:
-                defer_metadata_errors(request, kept, strategy, str(directory))
-                requests.append(request)
-        write_timer = torch.zeros(1, dtype=torch.float64).share_memory_()
-        request = combine_async_requests([r for r in requests if r is not None], write_timer)
+        else:
+            write_timer.share_memory_()  # written by Megatron-Core's background process
+            request = combine_async_requests([r for _, r in requests], write_timer)
         extra_write_s = 0.0
         error: BaseException | None = None
         if "extra" in contents:
@@ -181,20 +191,20 @@ class CheckpointWriter:
             "path": path,
             "contents": tuple(contents),
             "asynchronous": async_save,
-            "writer": _compat.async_strategy(),
+            "writer": self.writer if own else _compat.async_strategy(),
             "parallel_layout": state.parallel_layout,
             "optimizer_sharding": sharding,
         }
         timings = {"start": start, "extra_write_s": extra_write_s}
         if async_save:
-            call_id = self._get_async_queue().schedule_async_request(request)
+            call_id = self._get_async_queue(state.device).schedule_async_request(request)
             timings["call_s"] = time.perf_counter() - start
             self._pending = PendingSave(
                 path, [call_id], timings, base, options, write_timer, state.device, kept
             )
             return None
         try:
-            run_in_order(*request.async_fn_args)
+            request.async_fn(*request.async_fn_args)
         except Exception as err:  # noqa: BLE001 - any write error: shared, then raised
             error = err
         failure = agree_on_failure(
@@ -219,27 +229,6 @@ class CheckpointWriter:
             return self._failed(path, failure, options)
         timings["call_s"] = time.perf_counter() - start
         self._complete(base, timings, write_timer, options, state.device)
-        return None
-
-    @staticmethod
-    def _create_directories(path: Path, contents: list[str], managed: bool) -> str | None:
-        """Rank 0: the new step directory and its sub-directories; what went wrong, if any."""
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            return (
-                f"checkpoint directory {path} exists and is not empty; "
-                "save each step to a new directory"
-            )
-        try:
-            layout.mark_step_started(path, managed=managed)
-            for sub, wanted in (
-                (MODEL_DIR, "model"),
-                (OPTIM_DIR, "optimizer"),
-                (EXTRA_DIR, "extra"),
-            ):
-                if wanted in contents:
-                    (path / sub).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            return f"cannot create checkpoint directory {path}: {err}"
         return None
 
     def _write_extra(
@@ -304,10 +293,24 @@ class CheckpointWriter:
             listener.saved(record)
         return None
 
-    def _get_async_queue(self) -> Any:
+    def _strategy(self, cache_plans: bool) -> Any:
+        # Each save gives it its own errors list (see save()).
+        own = self.writer == _compat.THREADS
+        return save_strategy(
+            self.parallel_save,
+            [],
+            thread_count=self.shards.threads if own else None,
+            cache_plans=cache_plans,
+            own_writer=own,
+        )
+
+    def _get_async_queue(self, device: torch.device) -> Any:
         if self._async_queue is None:
-            async_calls_queue, _ = _compat.async_classes()
-            self._async_queue = async_calls_queue()
+            if self.writer == _compat.THREADS:
+                self._async_queue = BackgroundWrites(self.shards, device)
+            else:
+                async_calls_queue, _ = _compat.async_classes()
+                self._async_queue = async_calls_queue()
         return self._async_queue
 
     # --- finalize, remove, close (collective) ---------------------------------------------
@@ -335,7 +338,8 @@ class CheckpointWriter:
             failure = CheckpointSaveError(f"{headline}: {err}")
             if distributed():
                 rank, device = dist.get_rank(), pending.device
-                agreed = agree_on_failure(err, pending.path, "", rank, device, headline)
+                mine = None if isinstance(err, OtherRankFailed) else err
+                agreed = agree_on_failure(mine, pending.path, "", rank, device, headline)
                 failure = agreed or failure
             failure.__cause__ = err
             self._failed(pending.path, failure, pending.options)
@@ -391,3 +395,4 @@ class CheckpointWriter:
         if self._async_queue is not None:
             self._async_queue.close()
             self._async_queue = None
+        self.shards.close()

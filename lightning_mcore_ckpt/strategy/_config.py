@@ -12,10 +12,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_mcore_ckpt.layout import MODEL_DIR
 
-__all__ = ["OPTIMIZER_SHARDINGS", "StrategyConfig"]
+__all__ = ["OPTIMIZER_SHARDINGS", "WRITERS", "StrategyConfig"]
 
 OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 """The values of ``ckpt_optimizer_sharding``."""
+WRITERS = ("threads", "megatron")
+"""The values of ``ckpt_writer``."""
 
 
 def _check_size(name: str, value: Any) -> None:
@@ -66,6 +68,23 @@ class StrategyConfig:
     weights: loads into any layout, at the cost of that gather (memory and time on those ranks)
     at every save. A step always loads with the type it was saved with; torch optimizers are
     not affected (their state always reshards)."""
+    ckpt_writer: str = "threads"
+    """Who writes the shard files. ``"threads"`` (the default, the fastest): a thread pool of
+    each rank, started at the first save and reused, with staging buffers allocated once (pinned
+    host memory for GPU tensors); async saves are written by one persistent thread of the
+    training process. ``"megatron"``: Megatron-Core's own async machinery, a process forked per
+    save, or NVIDIA's resiliency extension (persistent worker process) where a compatible one
+    is installed and the ranks train on GPUs. Both write the same files (Megatron-Core's
+    ``torch_dist`` format) and keep every async guarantee."""
+    ckpt_write_threads: int | None = None
+    """Shard files each rank writes in parallel (``"threads"`` writer). Default: the cores
+    available to each rank on its machine, between 2 and 8."""
+    ckpt_read_threads: int | None = None
+    """Shard files each rank reads in parallel at a load. Default: as ``ckpt_write_threads``."""
+    ckpt_cache_plans: bool = True
+    """Reuse Megatron-Core's save plans (and the assignment of replicated tensors to writers)
+    while the state's structure does not change; every save checks it (a fingerprint of keys,
+    shapes, dtypes and offsets, one all-reduce) and plans afresh on every rank when it did."""
     process_group_backend: str | None = None
     """``"nccl"`` or ``"gloo"``; default: nccl when the ranks train on GPUs, gloo with
     ``accelerator="cpu"`` (also on a machine with GPUs). ``"nccl"`` with CPU devices is refused."""
@@ -91,6 +110,7 @@ class StrategyConfig:
             "ckpt_async_save",
             "ckpt_parallel_save",
             "ckpt_parallel_load",
+            "ckpt_cache_plans",
         ):
             flag = getattr(self, name)
             if not isinstance(flag, bool):
@@ -108,6 +128,14 @@ class StrategyConfig:
                 f"MegatronStrategy(ckpt_optimizer_sharding={self.ckpt_optimizer_sharding!r}): "
                 f"use one of {', '.join(map(repr, OPTIMIZER_SHARDINGS))}"
             )
+        if self.ckpt_writer not in WRITERS:
+            raise ValueError(
+                f"MegatronStrategy(ckpt_writer={self.ckpt_writer!r}): "
+                f"use one of {', '.join(map(repr, WRITERS))}"
+            )
+        for name in ("ckpt_write_threads", "ckpt_read_threads"):
+            if getattr(self, name) is not None:
+                _check_size(name, getattr(self, name))
         if self.process_group_backend not in (None, "nccl", "gloo"):
             raise ValueError(
                 f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "

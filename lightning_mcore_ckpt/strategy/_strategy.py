@@ -81,6 +81,10 @@ class MegatronStrategy(MegatronTrainingBase):
         ckpt_parallel_save: bool = True,
         ckpt_parallel_load: bool = False,
         ckpt_optimizer_sharding: str = "dp_reshardable",
+        ckpt_writer: str = "threads",
+        ckpt_write_threads: int | None = None,
+        ckpt_read_threads: int | None = None,
+        ckpt_cache_plans: bool = True,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
         init_from: str | os.PathLike[str] | None = None,
@@ -96,15 +100,25 @@ class MegatronStrategy(MegatronTrainingBase):
             ckpt_parallel_save=ckpt_parallel_save,
             ckpt_parallel_load=ckpt_parallel_load,
             ckpt_optimizer_sharding=ckpt_optimizer_sharding,
+            ckpt_writer=ckpt_writer,
+            ckpt_write_threads=ckpt_write_threads,
+            ckpt_read_threads=ckpt_read_threads,
+            ckpt_cache_plans=ckpt_cache_plans,
             process_group_backend=process_group_backend,
             timeout=timeout,
             init_from=init_from,
         )
         super().__init__(config)
         self._writer = CheckpointWriter(
-            async_save=config.ckpt_async_save, parallel_save=config.ckpt_parallel_save
+            async_save=config.ckpt_async_save,
+            parallel_save=config.ckpt_parallel_save,
+            writer=config.ckpt_writer,
+            write_threads=config.ckpt_write_threads,
+            cache_plans=config.ckpt_cache_plans,
         )
-        self._reader = CheckpointReader(parallel_load=config.ckpt_parallel_load)
+        self._reader = CheckpointReader(
+            parallel_load=config.ckpt_parallel_load, read_threads=config.ckpt_read_threads
+        )
         self._rng_at_load: dict[str, Any] | None = None
 
     @override

@@ -53,21 +53,15 @@ def _train_with_loggers(rank: int, world_size: int, tmp: str, async_save: bool) 
     if async_save:
         # The background write takes longer than a training step whatever the machine's speed,
         # so training goes on before the save is finalised.
-        import functools
-        import inspect
+        from lightning_mcore_ckpt.engine import _shards
 
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        stock = _shards._write_file
 
-        writer = filesystem_async.FileSystemWriterAsync
-        stock = writer.write_preloaded_data
-
-        @functools.wraps(stock)
         def slow_write(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(WRITE_TAKES_S)
+            time.sleep(WRITE_TAKES_S)  # each shard file, in the writer's threads
             return stock(*args, **kwargs)
 
-        slow_write.__signature__ = inspect.signature(stock)  # type: ignore[attr-defined]
-        writer.write_preloaded_data = staticmethod(slow_write)  # type: ignore[method-assign]
+        _shards._write_file = slow_write
 
     loggers = [
         WandbLogger(project="metrics-test", save_dir=tmp, offline=True),

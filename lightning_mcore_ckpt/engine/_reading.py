@@ -1,0 +1,126 @@
+"""Loads that read a step's shard files in parallel.
+
+Megatron-Core's ``torch_dist`` load reads through torch DCP's ``FileSystemReader``: one file
+after the other, each record deserialised before the next is read, so the disk waits for the
+CPU and the CPU for the disk. :class:`ParallelFileSystemReader` reads the files a rank needs
+with a thread pool (each file sequentially, in offset order), and deserialises each record
+while the other threads read. The planner (where each tensor goes) is called under a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.futures import Future
+
+__all__ = ["ParallelFileSystemReader", "load_strategy"]
+
+
+class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
+    """torch DCP's ``FileSystemReader``, reading ``threads`` files at once."""
+
+    def __init__(self, path: Any, threads: int) -> None:
+        super().__init__(path)
+        self.threads = threads
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        infos = self.storage_data
+        if any(infos[item.storage_index].transform_descriptors for item in plan.items):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(infos[item.storage_index].relative_path, []).append(item)
+        lock = threading.Lock()
+
+        def read_file(relative_path: str, items: list[Any]) -> None:
+            items.sort(key=lambda item: infos[item.storage_index].offset)
+            with open(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                for item in items:
+                    info = infos[item.storage_index]
+                    stream.seek(info.offset)
+                    record = io.BytesIO(stream.read(info.length))
+                    if item.type == LoadItemType.BYTE_IO:
+                        with lock:
+                            planner.load_bytes(item, record)
+                        continue
+                    tensor = torch.load(record, map_location="cpu", weights_only=True)
+                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                    with lock:
+                        target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise AssertionError(
+                            f"req {item.storage_index} mismatch sizes "
+                            f"{target.size()} vs {tensor.size()}"
+                        )
+                    target.copy_(tensor)
+                    with lock:
+                        planner.commit_tensor(item, target)
+
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="lmc-shard-reader") as pool:
+            for future in [pool.submit(read_file, p, items) for p, items in per_file.items()]:
+                future.result()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parallel_reader(threads: int) -> Iterator[None]:
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    stock = torch_strategy._get_filesystem_reader
+
+    def reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        return ParallelFileSystemReader(checkpoint_dir, threads)
+
+    with _swap_lock:
+        torch_strategy._get_filesystem_reader = reader
+        try:
+            yield
+        finally:
+            torch_strategy._get_filesystem_reader = stock
+
+
+@functools.cache
+def _strategy_class() -> type:
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    class ParallelReadStrategy(TorchDistLoadShardedStrategy):  # type: ignore[misc]
+        """Megatron-Core's ``torch_dist`` load, reading with :class:`ParallelFileSystemReader`."""
+
+        threads = 2
+
+        def load(self, *args: Any, **kwargs: Any) -> Any:
+            with _parallel_reader(self.threads):
+                return super().load(*args, **kwargs)
+
+    return ParallelReadStrategy
+
+
+def load_strategy(default: Any, threads: int) -> Any:
+    """``default`` (Megatron-Core's load strategy for a step) reading ``threads`` files at once,
+    when it is the ``torch_dist`` one; else ``default`` itself."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    if type(default) is not TorchDistLoadShardedStrategy:
+        return default
+    strategy = _strategy_class()()
+    strategy.threads = threads
+    return strategy

@@ -55,6 +55,13 @@ def disk_limit(directory: Path, size: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def _mean_limit(limits: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(limits[-1])
+    for key in ("write_gbps", "read_gbps"):
+        out[key] = sum(limit[key] for limit in limits) / len(limits)
+    return out
+
+
 def _hf_sizes(quick: bool) -> list[tuple[int, int]]:
     """(hidden, layers): depth grows at a fixed width, then width grows."""
     return [(128, 2)] if quick else [(512, 2), (512, 8), (512, 32), (1024, 8)]
@@ -70,6 +77,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scratch.mkdir(parents=True)
     sizes = ["quick"] if args.quick else args.sizes.split(",") + (["4G"] if args.big else [])
     procs = [1] if args.quick else [int(p) for p in args.procs.split(",")]
+    device = args.device
+    d2h = None
+    if device == "cuda":
+        d2h = run_distributed(workloads.d2h, 1, {}, timeout=600)[0]
     repeats = 1 if args.quick else args.repeats
     results: dict[str, Any] = {
         "machine": {
@@ -86,6 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hidden, layers = workloads.SIZES[size]
         state_bytes = 3 * 4 * (12 * layers * hidden * hidden)  # weights + 2 Adam moments
         limit = disk_limit(scratch, max(state_bytes, 64 * MiB), repeats)
+        limits = [limit]
         for world in procs:
             print(f"== state {size}, {world} process(es)", flush=True)
             cfg = {
@@ -93,25 +105,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "repeats": repeats + 1,
                 "every": 1 if args.quick else 3,
                 "dir": str(scratch / f"{size}-{world}"),
+                "device": device,
             }
             figures = run_distributed(workloads.save_load, world, cfg, timeout=3600)[0]
             overhead = run_distributed(
                 workloads.step_overhead,
                 world,
-                {"size": size, "steps": 6 if args.quick else 12, "dir": cfg["dir"]},
-                timeout=3600,
-            )[0]
-            results["runs"].append(
                 {
                     "size": size,
-                    "world": world,
-                    "limit": limit,
-                    "methods": figures,
-                    "step_overhead": overhead,
-                }
-            )
+                    "steps": 6 if args.quick else 12,
+                    "dir": cfg["dir"],
+                    "device": device,
+                },
+                timeout=3600,
+            )[0]
+            # The disk's speed drifts on shared machines: measured before and after each run.
+            limits.append(disk_limit(scratch, max(state_bytes, 64 * MiB), repeats))
+            limit = _mean_limit(limits[-2:])
+            run_ = {
+                "size": size,
+                "world": world,
+                "device": device,
+                "limit": limit,
+                "methods": figures,
+                "step_overhead": overhead,
+            }
+            if d2h is not None:
+                run_["d2h"] = d2h
+            results["runs"].append(run_)
             shutil.rmtree(cfg["dir"], ignore_errors=True)
-    results["hf_export"] = hf_export_scaling(scratch, args.quick)
+    results["hf_export"] = [] if args.skip_hf_export else hf_export_scaling(scratch, args.quick)
     shutil.rmtree(scratch, ignore_errors=True)
     return results
 
@@ -202,14 +225,23 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
                 f"{r['peak_rss_mib']:.0f} |"
             )
         by = {r["method"]: r for r in rows}
-        ours, raw = by["ours-sync"], by["raw dist_checkpointing"]
         write = methods["ours-sync"]["write_s"]["median"]
+        first = methods["ours-sync"]["first_save_s"], methods["ours-async"]["first_blocking_s"]
         lines += [
+            "",
+            "Our rows are the steady state (every save but the first). The first save: sync "
+            f"{first[0]:.3f} s; async blocking {first[1]:.3f} s.",
             "",
             f"Where a sync save's {sync_save:.3f} s go: {write:.3f} s writing shards and extra "
             f"state (the slowest rank), {sync_save - write:.3f} s planning, staging, finalising "
             "and committing.",
         ]
+        if "d2h" in run_:
+            lines += [
+                "",
+                f"Device-to-host copy: {run_['d2h']['pinned_d2h_gbps']:.1f} GB/s into pinned "
+                f"memory, {run_['d2h']['pageable_d2h_gbps']:.1f} GB/s into pageable memory.",
+            ]
         step = run_["step_overhead"]
         overhead = step["callback_s"] / step["step_s"]
         lines += [
@@ -218,45 +250,73 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
             f"a save: {step['callback_s'] * 1e6:.0f} us ({overhead:.3%} of the step).",
             "",
         ]
-        tag = f"{run_['size']}/{run_['world']}p"
-        checks = [
-            (
-                f"{tag}: sync save >= 0.8 x disk limit",
-                ours["save_vs_limit"] >= 0.8,
-                f"{ours['save_vs_limit']:.2f}",
-            ),
-            (
-                f"{tag}: sync save >= raw dist_checkpointing",
-                ours["save_gbps"] >= raw["save_gbps"],
-                f"{ours['save_gbps'] / raw['save_gbps']:.2f}x",
-            ),
-            (
-                f"{tag}: sync save >= torch.save",
-                ours["save_gbps"] >= by["torch.save (Lightning default)"]["save_gbps"],
-                f"{ours['save_gbps'] / by['torch.save (Lightning default)']['save_gbps']:.2f}x",
-            ),
-            (
-                f"{tag}: overhead over raw <= 5 %",
-                ours["save_s"] <= 1.05 * raw["save_s"],
-                f"{ours['save_s'] / raw['save_s'] - 1:+.1%}",
-            ),
-            (
-                f"{tag}: async blocking <= 10 % of sync save",
-                by["ours-async"]["blocking_of_sync"] <= 0.10,
-                f"{by['ours-async']['blocking_of_sync']:.1%}",
-            ),
-            (f"{tag}: callback step overhead < 1 %", overhead < 0.01, f"{overhead:+.1%}"),
-            (
-                f"{tag}: load >= 0.8 x read limit",
-                ours.get("load_vs_limit", 0) >= 0.8,
-                f"{ours.get('load_vs_limit', 0):.2f}",
-            ),
-        ]
+        checks = targets(run_, by, overhead, limit)
         for name, ok, value in checks:
             verdicts.append(f"{'MET ' if ok else 'MISSED'}  {name}  ({value})")
     lines += hf_table(results["hf_export"])
     lines += ["", "### Targets", "", "```", *verdicts, "```", ""]
     return "\n".join(lines), verdicts
+
+
+def targets(
+    run_: dict[str, Any], by: dict[str, Any], overhead: float, limit: dict[str, Any]
+) -> list[tuple[str, bool, str]]:
+    """The issue's targets, each as (name, met, measured)."""
+    tag = f"{run_['size']}/{run_['world']}p"
+    methods = run_["methods"]
+    ours, sync = by["ours-sync"], methods["ours-sync"]
+    sync_s = sync["save_s"]["median"]
+    asy = methods["ours-async"]
+    checks = [
+        (
+            f"{tag}: sync save >= 0.8 x disk write",
+            ours["save_vs_limit"] >= 0.8,
+            f"{ours['save_vs_limit']:.2f}",
+        ),
+        (
+            f"{tag}: sync save >= plain DCP",
+            ours["save_gbps"] >= by["torch.distributed.checkpoint"]["save_gbps"],
+            f"{ours['save_gbps'] / by['torch.distributed.checkpoint']['save_gbps']:.2f}x",
+        ),
+        (
+            f"{tag}: sync save >= raw dist_checkpointing",
+            ours["save_gbps"] >= by["raw dist_checkpointing"]["save_gbps"],
+            f"{ours['save_gbps'] / by['raw dist_checkpointing']['save_gbps']:.2f}x",
+        ),
+    ]
+    blocking = asy["blocking_s"]["median"] / sync_s
+    if run_.get("device", "cpu") == "cuda":
+        per_rank = asy["bytes"] / run_["world"] / 1e9
+        bound = 1.2 * per_rank / run_["d2h"]["pinned_d2h_gbps"] / sync_s
+        checks.append(
+            (
+                f"{tag}: async blocking <= 1.2 x D2H time",
+                blocking <= bound,
+                f"{blocking:.1%} of sync; bound {bound:.1%}",
+            )
+        )
+    else:
+        checks.append(
+            (f"{tag}: async blocking <= 10 % of sync save", blocking <= 0.10, f"{blocking:.1%}")
+        )
+    first_async = asy["first_blocking_s"] / sync_s
+    first_sync = sync["first_save_s"] / sync_s
+    total = asy["save_s"]["median"] / sync_s
+    load = ours.get("load_s", float("inf"))
+    torch_load = by["torch.save (Lightning default)"].get("load_s", 0.0)
+    checks += [
+        (f"{tag}: first async blocking <= sync save", first_async <= 1.0, f"{first_async:.2f}"),
+        (f"{tag}: first sync save <= 1.2 x later ones", first_sync <= 1.2, f"{first_sync:.2f}"),
+        (f"{tag}: async total <= 1.2 x sync save", total <= 1.2, f"{total:.2f}"),
+        (
+            f"{tag}: cold load >= 0.8 x read limit",
+            ours.get("load_vs_limit", 0) >= 0.8,
+            f"{ours.get('load_vs_limit', 0):.2f}",
+        ),
+        (f"{tag}: cold load >= torch.load", load <= torch_load, f"{torch_load / load:.2f}x"),
+        (f"{tag}: callback step overhead < 1 %", overhead < 0.01, f"{overhead:.2%}"),
+    ]
+    return checks
 
 
 def hf_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -318,6 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-hf-export", action="store_true", help="only the Hugging Face export scaling"
     )
+    parser.add_argument(
+        "--skip-hf-export", action="store_true", help="without the Hugging Face export scaling"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model trains (cuda: one process per GPU; adds the D2H bandwidth)",
+    )
     args = parser.parse_args(argv)
     if args.only_hf_export:
         scratch = Path(args.dir).resolve()
@@ -336,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.sizes.split(",") if s not in ("256M", "1G", "4G")]
     if unknown:
         parser.error(f"--sizes {args.sizes}: unknown {unknown}; use 256M, 1G, 4G")
+    if args.device == "cuda" and args.procs == parser.get_default("procs"):
+        args.procs = "1"
     results = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -316,8 +316,9 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def d2h_bandwidth(size: int = 2**30) -> dict[str, float]:
-    """Device-to-host copy bandwidth (GB/s) into pinned and into pageable memory."""
+def d2h(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, float]:
+    """Device-to-host copy bandwidth (GB/s) into pinned and into pageable memory (1 GiB)."""
+    size = cfg.get("bytes", 2**30)
     device = torch.ones(size // 4, device="cuda")
     out = {}
     for name, pinned in (("pinned_d2h_gbps", True), ("pageable_d2h_gbps", False)):

@@ -59,7 +59,7 @@ class SaveRecord:
     asynchronous: bool
     """Whether the shards were written in the background."""
     writer: str
-    """The async writer (``"mcore"`` or ``"nvrx"``); see :func:`_compat.async_strategy`."""
+    """Who wrote the shards: ``"threads"`` (ours), ``"mcore"`` or ``"nvrx"`` (Megatron-Core's)."""
     parallel_layout: dict[str, int]
     """The parallel sizes of the saving run."""
     blocking_time_s: float

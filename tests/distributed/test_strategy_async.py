@@ -15,7 +15,13 @@ SAVE_STEP = 2
 TOTAL_STEPS = 5
 
 
-def _async_save_during_training(rank: int, world_size: int, step_dir: str) -> dict[str, object]:
+WRITERS = pytest.mark.parametrize("writer", ["threads", "megatron"])
+"""Ours (a persistent thread pool of each rank) and Megatron-Core's own (a forked process)."""
+
+
+def _async_save_during_training(
+    rank: int, world_size: int, step_dir: str, writer: str
+) -> dict[str, object]:
     import lightning.pytorch as pl
     from _trainer import gathered_weights, loader, make_trainer
 
@@ -43,7 +49,7 @@ def _async_save_during_training(rank: int, world_size: int, step_dir: str) -> di
     module = TinyGPTModule()
     trainer = make_trainer(
         TOTAL_STEPS,
-        MegatronStrategy(tensor_model_parallel_size=2, ckpt_async_save=True),
+        MegatronStrategy(tensor_model_parallel_size=2, ckpt_async_save=True, ckpt_writer=writer),
         world_size,
         callbacks=[SaveAsync()],
     )
@@ -69,14 +75,16 @@ def _load_weights(rank: int, world_size: int, step_dir: str) -> dict[str, torch.
     return gather_sharded(_module_sharded_state_dict(module, ""))
 
 
-def test_async_save_writes_the_values_of_the_save_step(tmp_path: Path) -> None:
+@WRITERS
+def test_async_save_writes_the_values_of_the_save_step(tmp_path: Path, writer: str) -> None:
     step_dir = str(tmp_path / f"global_step_{SAVE_STEP}")
-    results = run_distributed(_async_save_during_training, 2, step_dir, timeout=200)
+    results = run_distributed(_async_save_during_training, 2, step_dir, writer, timeout=200)
     (on_disk,) = run_distributed(_load_weights, 1, step_dir, timeout=120)
 
     for r in results:
         ((steps_at_commit, record),) = r["records"]
         assert record.asynchronous is True
+        assert (record.writer == "threads") == (writer == "threads"), record
         # Control came back before the write was committed, and training went on meanwhile.
         assert r["steps_when_save_returned"] == SAVE_STEP
         assert steps_at_commit >= SAVE_STEP
@@ -87,7 +95,7 @@ def test_async_save_writes_the_values_of_the_save_step(tmp_path: Path) -> None:
         assert torch.equal(on_disk[key], tensor), f"{key}: file holds post-save values"
 
 
-def _failing_background_write(rank: int, world_size: int, step_dir: str) -> str:
+def _failing_background_write(rank: int, world_size: int, step_dir: str, writer: str) -> str:
     import errno
 
     import lightning.pytorch as pl
@@ -111,7 +119,7 @@ def _failing_background_write(rank: int, world_size: int, step_dir: str) -> str:
 
     trainer = make_trainer(
         TOTAL_STEPS,
-        MegatronStrategy(tensor_model_parallel_size=2, ckpt_async_save=True),
+        MegatronStrategy(tensor_model_parallel_size=2, ckpt_async_save=True, ckpt_writer=writer),
         world_size,
         callbacks=[SaveAsync()],
     )
@@ -122,9 +130,12 @@ def _failing_background_write(rank: int, world_size: int, step_dir: str) -> str:
     return "no error"
 
 
-def test_async_background_write_failure_is_raised_naming_the_step(tmp_path: Path) -> None:
+@WRITERS
+def test_async_background_write_failure_is_raised_naming_the_step(
+    tmp_path: Path, writer: str
+) -> None:
     step_dir = str(tmp_path / f"global_step_{SAVE_STEP}")
-    messages = run_distributed(_failing_background_write, 2, step_dir, timeout=200)
+    messages = run_distributed(_failing_background_write, 2, step_dir, writer, timeout=200)
     for message in messages:
         assert f"global_step_{SAVE_STEP}" in message, message
         assert "failed in the background write" in message

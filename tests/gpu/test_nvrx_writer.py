@@ -40,7 +40,7 @@ def build(async_save: bool = True) -> ResumeJob:
 
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        strategy=MegatronStrategy(ckpt_async_save=async_save),
+        strategy=MegatronStrategy(ckpt_async_save=async_save, ckpt_writer="megatron"),
         accelerator="gpu",
         devices=1,
         max_steps=100,

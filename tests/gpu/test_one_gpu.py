@@ -72,25 +72,24 @@ def test_one_gpu_resumes_exactly(tmp_path: Path, cell: tuple[Any, ...]) -> None:
 
 def _staged_async_save(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import lightning.pytorch as pl
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.engine._shards import StagingBuffers
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset
 
-    # Megatron-Core's writer stages in this process: look at what it staged. (NVIDIA's
-    # resiliency extension stages in its persistent worker, into buffers of its own.)
-    writer = filesystem_async.FileSystemWriterAsync
-    stock = writer.preload_tensors
+    # Our writer stages in this process, into its reused buffers: look at what it staged.
+    # (Megatron-Core's own writer, ckpt_writer="megatron", stages through preload_tensors.)
+    stock = StagingBuffers.stage
     staged: list[torch.Tensor] = []
 
-    def preload_tensors(write_buckets: Any, non_blocking: bool = True) -> Any:
-        result = stock(write_buckets, non_blocking=non_blocking)
+    def stage(self: Any, name: str, buckets: Any, snapshot: bool) -> Any:
+        result = stock(self, name, buckets, snapshot)
         staged.extend(t for _, _, (_, tensors) in result for _, t in tensors)
         return result
 
-    writer.preload_tensors = staticmethod(preload_tensors)  # type: ignore[method-assign]
+    StagingBuffers.stage = stage  # type: ignore[method-assign]
     step_dir = Path(tmp) / "global_step_2"
     trainer = pl.Trainer(
         strategy=MegatronStrategy(ckpt_async_save=True),
@@ -128,9 +127,9 @@ def test_an_async_save_stages_into_pinned_host_memory_and_writes_the_snapshot(
     out = run_distributed(_staged_async_save, 1, str(tmp_path), timeout=500)[0]
     step = tmp_path / "global_step_2"
     assert layout.verify_step(step) == []
-    if out["writer"] == _compat.BUILTIN:
-        assert out["staged"] > 0 and out["on_cpu"]
-        assert out["pinned"] == out["staged"], out
+    assert out["writer"] == _compat.THREADS, out
+    assert out["staged"] > 0 and out["on_cpu"]
+    assert out["pinned"] == out["staged"], out
     # What was written is the state at the save, not the weights changed after it.
     before = out["before"]
     saved = {key: torch.empty_like(tensor) for key, tensor in before.items()}

@@ -51,13 +51,15 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
                     os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for item in items:
                     info = infos[item.storage_index]
-                    stream.seek(info.offset)
-                    record = io.BytesIO(stream.read(info.length))
                     if item.type == LoadItemType.BYTE_IO:
+                        stream.seek(info.offset)
+                        record = io.BytesIO(stream.read(info.length))
                         with lock:
                             planner.load_bytes(item, record)
                         continue
-                    tensor = torch.load(record, map_location="cpu", weights_only=True)
+                    # torch.load reads the record's storage straight from the file.
+                    view = self._slice_file(stream, info)
+                    tensor = torch.load(view, map_location="cpu", weights_only=True)
                     tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
                     with lock:
                         target = planner.resolve_tensor(item).detach()

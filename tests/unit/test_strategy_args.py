@@ -29,6 +29,13 @@ from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
             r"'dp_reshardable', 'fully_reshardable'",
         ),
         (
+            {"ckpt_writer": "processes"},
+            r"ckpt_writer='processes'\): use one of 'threads', 'megatron'",
+        ),
+        ({"ckpt_write_threads": 0}, r"ckpt_write_threads=0\): must be a positive int"),
+        ({"ckpt_read_threads": 2.0}, r"ckpt_read_threads=2.0\): must be a positive int"),
+        ({"ckpt_cache_plans": 1}, r"ckpt_cache_plans=1\): must be True or False"),
+        (
             {"sequence_parallel": True},
             r"sequence_parallel=True\) needs tensor_model_parallel_size > 1",
         ),
@@ -49,6 +56,10 @@ def test_defaults_are_those_of_the_public_interface() -> None:
     assert strategy.ckpt_async_save is False
     assert strategy.process_group_backend is None
     assert strategy.config.ckpt_optimizer_sharding == "dp_reshardable"
+    # The fast path is the default: our writer, its thread count from the cores, cached plans.
+    assert strategy.config.ckpt_writer == "threads"
+    assert strategy.config.ckpt_cache_plans is True
+    assert strategy._writer.shards.threads >= 4 and strategy._reader.read_threads >= 4
 
 
 def test_save_options_reject_unknown_contents() -> None:

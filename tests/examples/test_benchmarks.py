@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,3 +70,51 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         assert target in table, target
     assert result.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "scratch").exists()  # scratch space is cleaned up
+
+
+def _figures(
+    save: float, blocking: float, load: float | None = None, **extra: float
+) -> dict[str, Any]:
+    loads = {} if load is None else {"load_s": {"median": load, "min": load, "max": load}}
+    return {
+        **loads,
+        "save_s": {"median": save, "min": save, "max": save},
+        "blocking_s": {"median": blocking, "min": blocking, "max": blocking},
+        "bytes": 2 * 10**9,
+        "peak_rss_extra": 0,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_target_is_judged_on_cpu_and_on_gpu(device: str) -> None:
+    # The GPU run (--device cuda) judges async blocking against the measured device-to-host
+    # copy of each rank's bytes; the rest as on CPU. Checked here without a GPU.
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.__main__ import _row, targets
+
+    limit = {"write_gbps": 2.0, "read_gbps": 4.0, "copy_gbps": 10.0}
+    methods = {
+        "ours-sync": _figures(1.0, 1.0, 0.6, first_save_s=1.1),
+        "ours-async": _figures(1.1, 0.04, first_blocking_s=0.9),
+        "raw dist_checkpointing": _figures(2.0, 2.0),
+        "torch.save (Lightning default)": _figures(2.0, 2.0, 0.7),
+        "torch.distributed.checkpoint": _figures(1.5, 1.5),
+    }
+    run = {"size": "1G", "world": 1, "device": device, "limit": limit, "methods": methods}
+    run["d2h"] = {"pinned_d2h_gbps": 50.0, "pageable_d2h_gbps": 10.0}
+    by = {name: _row(name, m, limit, 1.0) for name, m in methods.items()}
+    checks = {
+        name.split(": ", 1)[1]: (ok, value) for name, ok, value in targets(run, by, 0.001, limit)
+    }
+    assert all(ok for ok, _ in checks.values()), checks
+    bound = (
+        "async blocking <= 1.2 x D2H time"
+        if device == "cuda"
+        else "async blocking <= 10 % of sync save"
+    )
+    assert bound in checks, checks
+    # 2 GB at 50 GB/s: 40 ms of copy; 1.2 x that is the bound (of a 1 s sync save).
+    methods["ours-async"]["blocking_s"]["median"] = 0.06 if device == "cuda" else 0.2
+    late = {n.split(": ", 1)[1]: ok for n, ok, _ in targets(run, by, 0.001, limit)}
+    assert late[bound] is False

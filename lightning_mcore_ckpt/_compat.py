@@ -40,6 +40,12 @@ def package_version(name: str) -> str | None:
 
 def versions() -> dict[str, str]:
     """The versions that write a step (recorded in its ``metadata.json``)."""
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    # Read once: a process keeps the modules it imported, whatever is installed later.
     import lightning
     import megatron.core
     import torch

@@ -58,11 +58,16 @@ class SavePlans:
         self._kept: dict[str, tuple[int, Any]] = {}
         self.planned_fresh = 0
         """Saves whose plans were (re)built from scratch because the structure changed."""
+        self.reused = False
+        """Whether the last :meth:`strategies` kept the plans: the sharding of every rank is
+        the one validated when they were made, so the save need not validate it again (a
+        gather of every rank's shard metadata)."""
 
     def strategies(
         self, parts: Sequence[tuple[str, dict[str, Any]]], device: torch.device
     ) -> dict[str, Any]:
         """Collective (every rank, at every save): a strategy per part."""
+        self.reused = False
         if not self.enabled:
             return {name: self._make(False) for name, _ in parts}
         prints = {name: fingerprint(ssd) for name, ssd in parts}
@@ -73,6 +78,8 @@ class SavePlans:
         if int(changed.item()):
             self._kept = {name: (value, self._make(True)) for name, value in prints.items()}
             self.planned_fresh += 1
+        else:
+            self.reused = True
         return {name: self._kept[name][1] for name, _ in parts}
 
     def forget(self) -> None:

@@ -3,8 +3,11 @@
 Megatron-Core's ``torch_dist`` load reads through torch DCP's ``FileSystemReader``: one file
 after the other, each record deserialised before the next is read, so the disk waits for the
 CPU and the CPU for the disk. :class:`ParallelFileSystemReader` reads the files a rank needs
-with a thread pool (each file sequentially, in offset order), and deserialises each record
-while the other threads read. The planner (where each tensor goes) is called under a lock.
+with a thread pool (each file sequentially, in offset order). A record whose bytes lie in the
+file as they will in memory (the usual case) is read straight into the tensor it is loaded
+into: no temporary tensor, no copy. Its layout comes from torch.load onto the meta device,
+which parses the record without reading its data. Any other record goes through torch.load
+and a copy. The planner (where each tensor goes) is called under a lock.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import functools
 import io
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -57,18 +61,25 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
                         with lock:
                             planner.load_bytes(item, record)
                         continue
-                    # torch.load reads the record's storage straight from the file.
-                    view = self._slice_file(stream, info)
-                    tensor = torch.load(view, map_location="cpu", weights_only=True)
-                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
                     with lock:
                         target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
+                    # The record's layout first (torch.load onto the meta device reads no
+                    # data); its bytes then go straight into the tensor they are loaded into.
+                    layout = torch.load(
+                        self._slice_file(stream, info), map_location="meta", weights_only=True
+                    )
+                    layout = narrow_tensor_by_index(layout, item.storage_offsets, item.lengths)
+                    if target.size() != layout.size():
                         raise AssertionError(
                             f"req {item.storage_index} mismatch sizes "
-                            f"{target.size()} vs {tensor.size()}"
+                            f"{target.size()} vs {layout.size()}"
                         )
-                    target.copy_(tensor)
+                    if not _read_into(stream, info.offset, layout, target):
+                        view = self._slice_file(stream, info)
+                        tensor = torch.load(view, map_location="cpu", weights_only=True)
+                        target.copy_(
+                            narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                        )
                     with lock:
                         planner.commit_tensor(item, target)
 
@@ -78,6 +89,39 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: torch.Tensor) -> bool:
+    """Read a record's bytes into ``target`` when they lie there as they will in memory.
+
+    ``layout`` is the record's tensor on the meta device (where its storage starts in the
+    record, its offset, strides and dtype). ``False``, having read nothing, for any other case
+    (a strided or differently typed tensor, a device tensor): torch.load and a copy do those.
+    """
+    start = getattr(layout.untyped_storage(), "_checkpoint_offset", None)
+    if (
+        start is None
+        or sys.byteorder != "little"
+        or not hasattr(os, "preadv")
+        or target.device.type != "cpu"
+        or layout.dtype != target.dtype
+        or not layout.is_contiguous()
+        or not target.is_contiguous()
+        or target.numel() == 0
+    ):
+        return False
+    size = layout.element_size()
+    position = record_offset + start + layout.storage_offset() * size
+    buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buffer):
+        read = os.preadv(stream.fileno(), [buffer[done:]], position + done)
+        if read <= 0:
+            raise OSError(
+                f"{stream.name}: the file ends inside a record (at byte {position + done})"
+            )
+        done += read
+    return True
 
 
 _swap_lock = threading.Lock()

@@ -68,9 +68,11 @@ def plan_requests(
     strategies: dict[str, Any],
     kept: list[BaseException],
     writer: str,
+    validate: bool = True,
 ) -> list[tuple[str, Any]]:
     """Megatron-Core's planned save request of each ``(sharded state dict, directory, content
-    metadata)``, named by its directory; rank 0's finalisation errors go to ``kept``."""
+    metadata)``, named by its directory; rank 0's finalisation errors go to ``kept``.
+    ``validate``: Megatron-Core's check that the ranks' shards cover every tensor once."""
     from megatron.core import dist_checkpointing
 
     requests = []
@@ -83,6 +85,7 @@ def plan_requests(
             sharded_strategy=strategy,
             async_sharded_save=True,
             content_metadata=content_metadata,
+            validate_access_integrity=validate,
             **_compat.save_kwargs(writer),
         )
         if request is not None:

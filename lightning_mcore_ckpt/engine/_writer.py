@@ -164,7 +164,7 @@ class CheckpointWriter:
         for ssd, sub in ((ssd, d.name) for ssd, d, _ in parts):
             self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
         strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
-        requests = plan_requests(parts, strategies, kept, self.writer)
+        requests = plan_requests(parts, strategies, kept, self.writer, not self.plans.reused)
         write_timer = torch.zeros(1, dtype=torch.float64)
         if own:
             request = self.shards.request(

@@ -134,17 +134,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "device": device,
             }
             figures = run_distributed(workloads.save_load, world, cfg, timeout=3600)[0]
-            overhead = run_distributed(
-                workloads.step_overhead,
-                world,
-                {
-                    "size": size,
-                    "steps": 6 if args.quick else 12,
-                    "dir": cfg["dir"],
-                    "device": device,
-                },
-                timeout=3600,
-            )[0]
+            overhead = workloads.critical_path(
+                run_distributed(
+                    workloads.step_overhead,
+                    world,
+                    {
+                        "size": size,
+                        "steps": 6 if args.quick else 12,
+                        "dir": cfg["dir"],
+                        "device": device,
+                    },
+                    timeout=3600,
+                )
+            )
             # The disk's speed drifts on shared machines: measured before and after each run.
             limits.append(disk_limit(scratch, max(state_bytes, 64 * MiB), repeats))
             limit = _mean_limit(limits[-2:])
@@ -253,6 +255,13 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
                 f"{r['peak_rss_mib']:.0f} |"
             )
         by = {r["method"]: r for r in rows}
+        side = methods["side by side"]
+        lines += [
+            "",
+            "Sync saves side by side, round after round (median s): "
+            + ", ".join(f"{name} {v['median']:.3f}" for name, v in side.items())
+            + ".",
+        ]
         write = methods["ours-sync"]["write_s"]["median"]
         first = methods["ours-sync"]["first_save_s"], methods["ours-async"]["first_blocking_s"]
         lines += [
@@ -276,8 +285,14 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
             "",
             f"Step time {step['step_s'] * 1e3:.1f} ms; the callback's own work on a step without "
             f"a save: {step['callback_s'] * 1e6:.0f} us ({overhead:.3%} of the step).",
-            "",
         ]
+        if step.get("ranks", 1) > 1:
+            lines += [
+                f"That is on the last rank to reach it, which the step waits for; an earlier rank "
+                f"waits {step['waiting_s'] * 1e3:.1f} ms there for it (the ranks' skew, which "
+                "the next collective would absorb without the callback).",
+            ]
+        lines += [""]
         checks = targets(run_, by, overhead, limit)
         for name, ok, value in checks:
             verdicts.append(f"{'MET ' if ok else 'MISSED'}  {name}  ({value})")
@@ -301,17 +316,14 @@ def targets(
             ours["save_vs_limit"] >= 0.8,
             f"{ours['save_vs_limit']:.2f}",
         ),
-        (
-            f"{tag}: sync save >= plain DCP",
-            ours["save_gbps"] >= by["torch.distributed.checkpoint"]["save_gbps"],
-            f"{ours['save_gbps'] / by['torch.distributed.checkpoint']['save_gbps']:.2f}x",
-        ),
-        (
-            f"{tag}: sync save >= raw dist_checkpointing",
-            ours["save_gbps"] >= by["raw dist_checkpointing"]["save_gbps"],
-            f"{ours['save_gbps'] / by['raw dist_checkpointing']['save_gbps']:.2f}x",
-        ),
     ]
+    # Against the other libraries: the rounds run side by side (same minute, same disk).
+    side = methods["side by side"]
+    for other in ("plain DCP", "raw dist_checkpointing"):
+        ratio = side[other]["median"] / side["ours"]["median"]
+        checks.append(
+            (f"{tag}: sync save >= {other} (side by side)", ratio >= 1.0, f"{ratio:.2f}x")
+        )
     blocking = asy["blocking_s"]["median"] / sync_s
     if run_.get("device", "cpu") == "cuda":
         per_rank = asy["bytes"] / run_["world"] / 1e9
@@ -377,7 +389,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
     runs = results["runs"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [n for n, v in runs[0]["methods"].items() if isinstance(v, dict)]
+    names = [n for n, v in runs[0]["methods"].items() if isinstance(v, dict) and "save_s" in v]
     width = 0.8 / len(runs)
     for i, run_ in enumerate(runs):
         m = run_["methods"]

@@ -313,6 +313,37 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "bytes": tree_bytes(path),
         "peak_rss_extra": rss.extra,
     }
+
+    # 6. Side by side, round after round: our sync save (the strategy's, as a Trainer's save
+    #    calls it), plain DCP and raw dist_checkpointing of the same state, so that each meets
+    #    the disk in the same minute. The rows above come one after the other, minutes apart,
+    #    and this disk's speed drifts within minutes.
+    rounds: dict[str, list[float]] = {"ours": [], "plain DCP": [], "raw dist_checkpointing": []}
+    for i in range(repeats):
+        path = fresh(f"side-{i}")
+
+        def ours_save(path: Path = path) -> None:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
+            strategy.save_checkpoint(checkpoint, path / "ours")
+            dist.barrier()
+
+        def raw_save(path: Path = path) -> None:
+            for part in ("model", "optim"):
+                (path / "raw" / part).mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(model_ssd(), str(path / "raw" / "model"))
+            dist_checkpointing.save(optim_ssd(), str(path / "raw" / "optim"))
+            dist.barrier()
+
+        rounds["ours"].append(_timed(ours_save)[0])
+        rounds["plain DCP"].append(
+            _timed(lambda path=path: dcp.save(plain, checkpoint_id=str(path / "dcp")))[0]
+        )
+        rounds["raw dist_checkpointing"].append(_timed(raw_save)[0])
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+    out["side by side"] = {name: _summary(values) for name, values in rounds.items()}
     return out
 
 
@@ -337,7 +368,10 @@ def step_overhead(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Time the callback's own per-step work on steps where nothing is saved, and the step.
 
     Measured directly (a timer around the callback's batch-end hook) rather than as the
-    difference of two runs' step times, which machine noise swamps.
+    difference of two runs' step times, which machine noise swamps. Every rank returns its
+    time per step: with several processes, the hook's collective makes a rank that finished its
+    step early wait for the last one, which the step's next collective would make it wait for
+    anyway; the step pays only what the last rank to arrive spends (see ``critical_path``).
     """
     import lightning.pytorch as pl
 
@@ -370,7 +404,30 @@ def step_overhead(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         cfg["steps"], world, world, [Clock(), callback], False, cfg.get("device", "cpu")
     )
     trainer.fit(_module(cfg["size"]), train_dataloaders=_loader())
-    return {"step_s": statistics.median(steps), "callback_s": statistics.median(hook[1:])}
+    return {
+        "step_s": statistics.median(steps),
+        "callback_s": statistics.median(hook[1:]),
+        "hook_s": hook[1:],
+    }
+
+
+def critical_path(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The callback's per-step cost from every rank's ``step_overhead`` figures.
+
+    A synchronous data-parallel step ends when its slowest rank does. At each step the rank that
+    reaches the callback last waits for nobody: its time is what the callback adds to the step
+    (its own work and the collective's latency). The other ranks' extra time is the wait for
+    that rank, a skew between ranks that exists with or without the callback.
+    """
+    steps = min(len(r["hook_s"]) for r in ranks)
+    last = [min(r["hook_s"][i] for r in ranks) for i in range(steps)]
+    first = [max(r["hook_s"][i] for r in ranks) for i in range(steps)]
+    return {
+        **ranks[0],
+        "callback_s": statistics.median(last),
+        "waiting_s": statistics.median(first),
+        "ranks": len(ranks),
+    }
 
 
 def hf_export(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:

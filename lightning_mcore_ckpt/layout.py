@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mcore_ckpt import _atomic, _safe_dcp, _safe_load
+from lightning_mcore_ckpt import _atomic, _safe_dcp, _safe_load, integrity
 from lightning_mcore_ckpt._lock import LOCK_FILE, DirectoryLock
 from lightning_mcore_ckpt._markers import (
     METADATA_FILE,
@@ -70,7 +70,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-METADATA_FORMAT_VERSION = 1
+METADATA_FORMAT_VERSION = 2
 MODEL_DIR = "model"
 """Sub-directory of a step with the model's dist-checkpoint."""
 OPTIM_DIR = "optim"
@@ -213,8 +213,13 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
     return problems
 
 
-def verify_step(path: str | os.PathLike[str], reading: Iterable[str] | None = None) -> list[str]:
+def verify_step(
+    path: str | os.PathLike[str], reading: Iterable[str] | None = None, deep: bool = False
+) -> list[str]:
     """What is wrong with a step directory: missing or truncated files ([] when it is whole).
+
+    With ``deep``, also every file whose bytes changed since the commit: each file the step
+    hashed at its commit is read whole and hashed again (see :mod:`lightning_mcore_ckpt.integrity`).
 
     Checks, without loading tensors: the commit marker; every file its ``files`` list names
     (each file of the step and its size at the commit: the shards, each dist-checkpoint's
@@ -237,6 +242,9 @@ def verify_step(path: str | os.PathLike[str], reading: Iterable[str] | None = No
         contents = [c for c in contents if c in set(reading)]
     skipped = {sub for sub, c in _SUBDIRS.items() if c not in contents}
     problems = []
+    sealed = meta.get(integrity.METADATA_HASH)
+    if isinstance(sealed, str) and integrity.json_digest(meta) != sealed:
+        problems.append(f"{p / METADATA_FILE} is damaged: its content changed since the commit")
     files = meta.get("files")
     for name, size in sorted(files.items()) if isinstance(files, dict) else ():
         if name.split("/", 1)[0] in skipped:
@@ -251,6 +259,12 @@ def verify_step(path: str | os.PathLike[str], reading: Iterable[str] | None = No
     for sub, wanted in ((MODEL_DIR, "model"), (OPTIM_DIR, "optimizer")):
         if wanted in contents:
             problems += [q for q in _verify_dist_checkpoint(p / sub) if q not in problems]
+    hashes = meta.get("hashes")
+    if deep and isinstance(hashes, dict) and hashes:
+        found = integrity.check_hashes(p, hashes, skipped)
+        problems += [q for q in found if q not in problems]
+    elif deep:
+        log.info("%s has no file hashes (committed before they were recorded): sizes checked", p)
     if "extra" in contents:
         ranks = sorted((p / EXTRA_DIR).glob("rank_*.pt"))
         world = (meta.get("parallel_layout") or {}).get("world_size")
@@ -263,7 +277,10 @@ def verify_step(path: str | os.PathLike[str], reading: Iterable[str] | None = No
 
 
 def resolve_last(
-    dirpath: str | os.PathLike[str], verify: bool = True, reading: Iterable[str] | None = None
+    dirpath: str | os.PathLike[str],
+    verify: bool = True,
+    reading: Iterable[str] | None = None,
+    deep: bool = False,
 ) -> Path | None:
     """The newest complete, undamaged step under ``dirpath``, or ``None`` when there is none.
 
@@ -293,7 +310,7 @@ def resolve_last(
         found = newest.path.name if newest is not None else "none"
         log.warning("%s; newest complete step by scan: %s", why, found)
     for candidate in reversed(complete):
-        problems = verify_step(candidate.path, reading) if verify else []
+        problems = verify_step(candidate.path, reading, deep) if verify else []
         if not problems:
             return candidate.path
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
@@ -311,7 +328,9 @@ def _describe_complete(root: Path) -> str:
     return ", ".join(names) if names else "none"
 
 
-def resolve_checkpoint(path: str | os.PathLike[str], reading: Iterable[str] | None = None) -> Path:
+def resolve_checkpoint(
+    path: str | os.PathLike[str], reading: Iterable[str] | None = None, deep: bool = False
+) -> Path:
     """Resolve what a user passed as ``ckpt_path``: a step directory or a checkpoint ``dirpath``.
 
     A ``dirpath`` (no ``model/`` inside) resolves to its newest complete step. A step directory
@@ -341,11 +360,15 @@ def resolve_checkpoint(path: str | os.PathLike[str], reading: Iterable[str] | No
                 "Pass one of them, or ckpt_path='last'"
             )
         whole = is_complete(p)
-        problems = verify_step(p, reading) if whole else _verify_dist_checkpoint(p / MODEL_DIR)
+        problems = (
+            verify_step(p, reading, deep) if whole else _verify_dist_checkpoint(p / MODEL_DIR)
+        )
         if problems:
             listed = "\n  ".join(problems[:10])
             intact = [
-                s.path.name for s in complete_steps(parent) if not verify_step(s.path, reading)
+                s.path.name
+                for s in complete_steps(parent)
+                if not verify_step(s.path, reading, deep)
             ]
             raise FileNotFoundError(
                 f"checkpoint {p} is damaged:\n  {listed}\ncomplete undamaged steps in {parent}: "
@@ -353,11 +376,11 @@ def resolve_checkpoint(path: str | os.PathLike[str], reading: Iterable[str] | No
                 "skips damaged steps)"
             )
         return p
-    newest = resolve_last(p, reading=reading)
+    newest = resolve_last(p, reading=reading, deep=deep)
     complete = complete_steps(p)
     if newest is None and complete:
         damage = "\n  ".join(
-            f"{s.path.name}: {verify_step(s.path, reading)[0]}" for s in complete[-10:]
+            f"{s.path.name}: {verify_step(s.path, reading, deep)[0]}" for s in complete[-10:]
         )
         raise FileNotFoundError(
             f"every complete step under {p} is damaged:\n  {damage}\nrestore the files from a "

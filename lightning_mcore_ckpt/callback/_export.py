@@ -49,6 +49,10 @@ def export_into_committed(hf_export: HFExport, target: Path) -> dict[str, Any]:
         if "hf_model" not in contents:
             contents.append("hf_model")
         metadata["contents"] = contents
+        # The copy is new (or replaced): its files are hashed afresh at this commit.
+        hf_files = f"{layout.HF_DIR}/"
+        kept = (metadata.get("hashes") or {}).items()
+        metadata["hashes"] = {k: v for k, v in kept if not k.startswith(hf_files)}
         commit_step(target, metadata)
     except Exception as err:
         raise RuntimeError(

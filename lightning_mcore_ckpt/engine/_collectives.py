@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_ckpt import integrity
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError
 
 __all__ = [
@@ -49,6 +50,17 @@ def broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, 0)
     return box[0]
+
+
+def gather_hashes(step: Path) -> dict[str, str]:
+    """Collective: the digests every rank recorded for files under ``step``, on rank 0 (``{}``
+    on the others); each rank forgets its own."""
+    mine = integrity.take(step)
+    if not distributed():
+        return mine
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return {k: v for part in gathered or () for k, v in sorted(part.items())}
 
 
 def first_failure(message: str | None, rank: int, device: torch.device) -> tuple[int, str] | None:

@@ -11,6 +11,7 @@ missing or short.
 from __future__ import annotations
 
 import datetime
+import json
 import socket
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import _atomic, _compat, layout, metrics
+from lightning_mcore_ckpt import _atomic, _compat, integrity, layout, metrics
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, distributed
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError, SaveRecord
 from lightning_mcore_ckpt.layout import METADATA_FILE
@@ -33,13 +34,15 @@ def commit_step(
     """Make the step at ``path`` durable, then write its ``metadata.json`` (the commit).
 
     ``metadata`` gets ``files`` (every file's size, by path relative to the step),
-    ``size_bytes``, ``throughput_gbps`` and, when ``started`` (a ``time.perf_counter()`` value)
+    ``hashes`` (each file's digest: ``metadata["hashes"]``, hashed while written, completed by
+    :func:`lightning_mcore_ckpt.integrity.complete`), ``size_bytes``, ``throughput_gbps``
+    and, when ``started`` (a ``time.perf_counter()`` value)
     is given, ``total_time_s``. Returns the metadata as written. Call it on one rank, off the
     training thread: it walks and fsyncs the whole step.
 
     Example::
 
-        commit_step("checkpoints/run/global_step_100", {"format_version": 1, "global_step": 100})
+        commit_step("checkpoints/run/global_step_100", {"format_version": 2, "global_step": 100})
     """
     step = Path(path)
     sizes = _atomic.fsync_tree(step)
@@ -47,11 +50,15 @@ def commit_step(
     _atomic.fsync_dir(step.parent)  # the step's own entry in the run directory
     filled = dict(metadata)
     filled["files"] = dict(sorted(sizes.items()))
+    # Digests: those hashed while written (on every rank), the rest read now if small.
+    filled["hashes"] = integrity.complete(step, sizes, filled.get("hashes") or {})
     if started is not None:
         filled["total_time_s"] = time.perf_counter() - started
+    filled[integrity.METADATA_HASH] = integrity.PLACEHOLDER
     text, filled = metrics.encode_metadata(filled, sum(sizes.values()))
+    text = integrity.seal(text)  # the marker's own digest: a changed byte in it is caught too
     _atomic.write_text(step / METADATA_FILE, text)
-    return filled
+    return json.loads(text)  # type: ignore[no-any-return]
 
 
 def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, Any]:
@@ -70,6 +77,7 @@ def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, A
         "blocking_time_s": record.blocking_time_s,
         "write_time_s": record.write_time_s,
         **({"optimizer_sharding": record.optimizer_sharding} if record.optimizer_sharding else {}),
+        "hashes": dict(record.hashes),
     }
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
-from lightning_mcore_ckpt import _atomic, _safe_load
+from lightning_mcore_ckpt import _atomic, _safe_load, integrity
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._state_dicts import TrainingState, stateless_params
 from lightning_mcore_ckpt.layout import EXTRA_FORMAT_VERSION
@@ -36,7 +36,14 @@ def write_extra(
         },
     }
     target = directory / f"rank_{state.rank:05d}.pt"
-    _atomic.write_with(target, lambda f: torch.save(payload, f))
+    hashed: list[integrity.HashingWriter] = []
+
+    def save(f: IO[bytes]) -> None:
+        hashed.append(integrity.HashingWriter(f))
+        torch.save(payload, cast(IO[bytes], hashed[-1]))
+
+    _atomic.write_with(target, save)
+    integrity.record(target, hashed[-1].digest)
     return target, payload
 
 

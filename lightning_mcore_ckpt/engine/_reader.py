@@ -52,11 +52,19 @@ class CheckpointReader:
     ``_safe_load.trusted_by_user``) skips the checks and loads every pickle as torch would.
     """
 
-    def __init__(self, *, parallel_load: bool = False, read_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        parallel_load: bool = False,
+        read_threads: int | None = None,
+        verify_hashes: bool = False,
+    ) -> None:
         self.parallel_load = parallel_load
         """Spread the reads across data-parallel ranks (CUDA only; ignored on CPU)."""
         self.read_threads = read_threads or default_write_threads()
         """Shard files each rank reads at once."""
+        self.verify_hashes = verify_hashes
+        """Re-hash every file the load reads, against the digests of its commit."""
 
     def resolve(
         self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
@@ -70,7 +78,8 @@ class CheckpointReader:
         problem = resolved = None
         if rank == 0:
             try:
-                resolved = str(layout.resolve_checkpoint(checkpoint_path, reading))
+                found = layout.resolve_checkpoint(checkpoint_path, reading, self.verify_hashes)
+                resolved = str(found)
             except FileNotFoundError as err:
                 problem = str(err)
         resolved, problem = broadcast((resolved, problem))

@@ -73,6 +73,10 @@ class SaveRecord:
     optimizer_sharding: str | None = None
     """The sharding type a Megatron-Core distributed optimizer's state was saved with (``None``:
     no distributed optimizer in this save)."""
+    hashes: dict[str, str] = field(default_factory=dict)
+    """On rank 0 (the rank that commits): the digest of every file the ranks hashed while
+    writing it, by path relative to the step (see :mod:`lightning_mcore_ckpt.integrity`);
+    empty on the other ranks."""
 
 
 @runtime_checkable

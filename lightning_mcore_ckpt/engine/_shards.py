@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_ckpt import integrity
+
 __all__ = ["BackgroundWrites", "ShardWriter", "StagingBuffers", "default_write_threads"]
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,9 @@ def _write_file(transforms: Sequence[Any], bucket: Any, abort: threading.Event) 
     _without_crc32()
     results = []
     try:
-        with open(file_name, "wb") as stream:
+        with open(file_name, "wb") as file:
+            # Hashed on the way to the file: the manifest's digest, without reading it back.
+            stream = integrity.HashingWriter(file)
             for item, data in (*bytes_data, *tensor_data):
                 if abort.is_set():
                     raise WriteAborted(f"the run stopped while {file_name} was being written")
@@ -95,6 +99,7 @@ def _write_file(transforms: Sequence[Any], bucket: Any, abort: threading.Event) 
                 )
             stream.flush()
             os.fsync(stream.fileno())
+        integrity.record(file_name, stream.digest)
     except OSError as err:
         if err.filename is None:  # a failed write() names no file
             err.filename = str(file_name)

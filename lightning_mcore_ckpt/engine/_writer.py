@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore_ckpt import _compat, _safe_load, retention
+from lightning_mcore_ckpt.engine import _collectives
 from lightning_mcore_ckpt.engine._agreeing import save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
 from lightning_mcore_ckpt.engine._durable import commit_unowned
@@ -277,6 +278,7 @@ class CheckpointWriter:
         blocking, write, elapsed = (float(x) for x in slowest.cpu())
         record = SaveRecord(
             **base,
+            hashes=_collectives.gather_hashes(base["path"]),
             blocking_time_s=blocking,
             write_time_s=write,
             total_time_s=elapsed,

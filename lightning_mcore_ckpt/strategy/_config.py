@@ -81,6 +81,11 @@ class StrategyConfig:
     available to each rank on its machine, between 2 and 8."""
     ckpt_read_threads: int | None = None
     """Shard files each rank reads in parallel at a load. Default: as ``ckpt_write_threads``."""
+    ckpt_verify_hashes: bool = False
+    """At a load, also hash every file of the step it reads and compare with the digests its
+    commit recorded (a changed byte anywhere is caught; ``"last"`` then takes the previous
+    undamaged step). Costs a read of the step before the load (see ``docs/performance.md``).
+    Off: sizes and structure are checked (always)."""
     ckpt_cache_plans: bool = True
     """Reuse Megatron-Core's save plans (and the assignment of replicated tensors to writers)
     while the state's structure does not change; every save checks it (a fingerprint of keys,

@@ -84,30 +84,15 @@ class MegatronStrategy(MegatronTrainingBase):
         ckpt_writer: str = "threads",
         ckpt_write_threads: int | None = None,
         ckpt_read_threads: int | None = None,
+        ckpt_verify_hashes: bool = False,
         ckpt_cache_plans: bool = True,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
         init_from: str | os.PathLike[str] | None = None,
     ) -> None:
-        config = StrategyConfig(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-            context_parallel_size=context_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size,
-            sequence_parallel=sequence_parallel,
-            seed=seed,
-            ckpt_async_save=ckpt_async_save,
-            ckpt_parallel_save=ckpt_parallel_save,
-            ckpt_parallel_load=ckpt_parallel_load,
-            ckpt_optimizer_sharding=ckpt_optimizer_sharding,
-            ckpt_writer=ckpt_writer,
-            ckpt_write_threads=ckpt_write_threads,
-            ckpt_read_threads=ckpt_read_threads,
-            ckpt_cache_plans=ckpt_cache_plans,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            init_from=init_from,
-        )
+        # Every argument is a StrategyConfig field of the same name.
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        config = StrategyConfig(**arguments)
         super().__init__(config)
         self._writer = CheckpointWriter(
             async_save=config.ckpt_async_save,
@@ -117,7 +102,9 @@ class MegatronStrategy(MegatronTrainingBase):
             cache_plans=config.ckpt_cache_plans,
         )
         self._reader = CheckpointReader(
-            parallel_load=config.ckpt_parallel_load, read_threads=config.ckpt_read_threads
+            parallel_load=config.ckpt_parallel_load,
+            read_threads=config.ckpt_read_threads,
+            verify_hashes=config.ckpt_verify_hashes,
         )
         self._rng_at_load: dict[str, Any] | None = None
 

@@ -224,10 +224,11 @@ def _missing_rng_keys(rank: int, world_size: int, tmp: str) -> dict[str, object]
             payload["rng"].pop("megatron_tracker")
             payload["rng"].pop("torch_cuda", None)
             torch.save(payload, path)
-        # ... whose commit listed no files (the sizes above changed).
+        # ... whose commit listed no files, digests or seal (the files above changed).
         meta_path = Path(tmp, f"global_step_{STOP_AT}", "metadata.json")
         meta = json.loads(meta_path.read_text())
-        del meta["files"]
+        for field in ("files", "hashes", "metadata_hash"):
+            del meta[field]
         meta_path.write_text(json.dumps(meta))
     torch.distributed.barrier()
     module, trainer = _run(world_size, 2, tmp, STOP_AT + 2, "last")

@@ -82,16 +82,20 @@ def globals_in(path: Path) -> set[str]:
 
 
 def relist(step: Path) -> None:
-    """Record a crafted step's files and sizes in its metadata.json, as a whole crafted step
-    (not a damaged one) would carry them."""
+    """Record a crafted step's files, sizes and digests in its metadata.json, and seal it, as a
+    whole crafted step (not a damaged one) would carry them: digests are integrity checks, not
+    signatures."""
     import json
 
-    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt import integrity, layout
 
     meta = json.loads((step / layout.METADATA_FILE).read_text())
-    meta["files"] = {
-        p.relative_to(step).as_posix(): p.stat().st_size
+    files = [
+        p
         for p in sorted(step.rglob("*"))
         if p.is_file() and p.relative_to(step).as_posix() != layout.METADATA_FILE
-    }
+    ]
+    meta["files"] = {p.relative_to(step).as_posix(): p.stat().st_size for p in files}
+    meta["hashes"] = {p.relative_to(step).as_posix(): integrity.hash_file(p) for p in files}
+    meta[integrity.METADATA_HASH] = integrity.json_digest(meta)
     (step / layout.METADATA_FILE).write_text(json.dumps(meta))

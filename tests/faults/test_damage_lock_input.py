@@ -81,9 +81,11 @@ DAMAGE = {
 
 
 def _unlisted(step: Path) -> None:
+    # As committed before files were listed: no list, no digests, no seal.
     meta = layout.read_metadata(step)
     assert meta is not None and "files" in meta
-    del meta["files"]
+    for field in ("files", "hashes", "metadata_hash"):
+        del meta[field]
     (step / layout.METADATA_FILE).write_text(json.dumps(meta))
 
 

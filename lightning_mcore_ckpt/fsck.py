@@ -1,0 +1,95 @@
+"""``lightning-mcore-ckpt fsck``: is every step of a run (or one step) whole and unchanged?
+
+The fast check reads no tensor data: the commit marker and its own digest, every file's
+presence and size at the commit, each dist-checkpoint's index against its shard files, one
+``extra/`` file per rank. ``deep`` also reads every file and compares its digest with the one
+recorded at the commit (see :mod:`lightning_mcore_ckpt.integrity`).
+
+Example::
+
+    from lightning_mcore_ckpt import fsck
+
+    result = fsck.check("checkpoints/run", deep=True)
+    for step in result.damaged:
+        print(step.path, step.problems)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_mcore_ckpt import layout
+
+__all__ = ["FsckResult", "StepCheck", "check"]
+
+
+@dataclass
+class StepCheck:
+    """One step's verdict."""
+
+    path: Path
+    problems: list[str]
+    """What is wrong (``[]``: whole and, with ``deep``, unchanged)."""
+    files: int = 0
+    """Files its commit recorded."""
+    hashed: int = 0
+    """Of those, files with a digest (``0`` for steps committed before digests were kept)."""
+
+
+@dataclass
+class FsckResult:
+    """What :func:`check` found."""
+
+    steps: list[StepCheck] = field(default_factory=list)
+    incomplete: list[Path] = field(default_factory=list)
+    """Step directories that never committed (``"last"`` ignores them; not damage)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> list[StepCheck]:
+        return [s for s in self.steps if s.problems]
+
+
+def _check_step(path: Path, deep: bool) -> StepCheck:
+    meta = layout.read_metadata(path) or {}
+    hashes = meta.get("hashes") if isinstance(meta.get("hashes"), dict) else {}
+    files = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+    problems = layout.verify_step(path, deep=deep)
+    return StepCheck(path, problems, len(files or {}), len(hashes or {}))
+
+
+def check(path: str | os.PathLike[str], deep: bool = False) -> FsckResult:
+    """Check one step directory, or every complete step of a run directory.
+
+    Raises ``FileNotFoundError`` when ``path`` is neither. A step directory named explicitly
+    that never committed is damaged (nothing can load it).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} does not exist or is not a directory")
+    result = FsckResult()
+    if (root / layout.METADATA_FILE).exists() or (root / layout.MODEL_DIR).is_dir():
+        if not layout.is_complete(root):
+            missing = f"{root / layout.METADATA_FILE} is missing or not valid JSON"
+            result.steps.append(StepCheck(root, [f"{missing}: the save never committed"]))
+        else:
+            result.steps.append(_check_step(root, deep))
+        return result
+    steps = layout.complete_steps(root)
+    result.incomplete = [s.path for s in layout.incomplete_steps(root)]
+    result.steps = [_check_step(s.path, deep) for s in steps]
+    tracked = layout.read_tracker(root)
+    if (root / layout.TRACKER_FILE).exists():
+        newest = steps[-1].step if steps else None
+        if tracked is None:
+            result.notes.append(f"{root / layout.TRACKER_FILE} is unreadable")
+        elif tracked != newest:
+            result.notes.append(
+                f"{root / layout.TRACKER_FILE} names global_step_{tracked}; the newest "
+                f"complete step is {f'global_step_{newest}' if newest is not None else 'none'}"
+            )
+    if not steps:
+        result.notes.append(f"no complete step under {root}")
+    return result

@@ -203,9 +203,21 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 drop_cache(last)
                 seconds, extra = _timed(lambda p=last, s=strategy: s.load_checkpoint(p))
                 loads.append(seconds)
+            # A load that also re-hashes every file (ckpt_verify_hashes=True), cold, and the
+            # re-hash alone (rank 0 checks the step before every rank loads it).
+            strategy._reader.verify_hashes = True
+            verified, rehash = [], []
+            for _ in range(repeats):
+                drop_cache(last)
+                verified.append(_timed(lambda p=last, s=strategy: s.load_checkpoint(p))[0])
+                drop_cache(last)
+                rehash.append(_timed(lambda p=last: layout.verify_step(p, deep=True))[0])
+            strategy._reader.verify_hashes = False
             if rank == 0:
                 out["ours-sync"]["load_s"] = _summary(loads)
                 out["ours-sync"]["load_peak_rss_extra"] = extra
+                out["ours-sync"]["verified_load_s"] = _summary(verified)
+                out["ours-sync"]["rehash_s"] = _summary(rehash)
             keep = (trainer, module, strategy)
     trainer, module, strategy = keep
     optimizer = strategy._torch_optimizers()[0]
@@ -318,14 +330,35 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     #    calls it), plain DCP and raw dist_checkpointing of the same state, so that each meets
     #    the disk in the same minute. The rows above come one after the other, minutes apart,
     #    and this disk's speed drifts within minutes.
-    rounds: dict[str, list[float]] = {"ours": [], "plain DCP": [], "raw dist_checkpointing": []}
+    #    Ours once more with its files not hashed: what hashing them on the way costs.
+    rounds: dict[str, list[float]] = {
+        "ours": [],
+        "ours, files not hashed": [],
+        "plain DCP": [],
+        "raw dist_checkpointing": [],
+    }
+    from lightning_mcore_ckpt import integrity
+
+    hashing = integrity.HashingWriter
+
+    class NotHashed(hashing):  # type: ignore[misc, valid-type]
+        def write(self, data: Any) -> int:
+            return int(self._file.write(data))
+
     for i in range(repeats):
         path = fresh(f"side-{i}")
 
-        def ours_save(path: Path = path) -> None:
+        def ours_save(path: Path = path, name: str = "ours") -> None:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
-            strategy.save_checkpoint(checkpoint, path / "ours")
+            strategy.save_checkpoint(checkpoint, path / name)
             dist.barrier()
+
+        def unhashed_save(path: Path = path) -> None:
+            integrity.HashingWriter = NotHashed  # type: ignore[misc]
+            try:
+                ours_save(path, "ours-unhashed")
+            finally:
+                integrity.HashingWriter = hashing  # type: ignore[misc]
 
         def raw_save(path: Path = path) -> None:
             for part in ("model", "optim"):
@@ -336,6 +369,7 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
 
         rounds["ours"].append(_timed(ours_save)[0])
+        rounds["ours, files not hashed"].append(_timed(unhashed_save)[0])
         rounds["plain DCP"].append(
             _timed(lambda path=path: dcp.save(plain, checkpoint_id=str(path / "dcp")))[0]
         )

@@ -56,7 +56,8 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         assert figures["save_s"]["median"] > 0 and figures["bytes"] > 0
     # The sync saves compared round after round, in the same minutes.
     side = run["methods"]["side by side"]
-    assert set(side) == {"ours", "plain DCP", "raw dist_checkpointing"}
+    assert set(side) == {"ours", "ours, files not hashed", "plain DCP", "raw dist_checkpointing"}
+    assert run["methods"]["ours-sync"]["verified_load_s"]["median"] > 0
     assert all(v["median"] > 0 for v in side.values())
     assert run["step_overhead"]["callback_s"] > 0 and data["hf_export"][0]["seconds"] > 0
     table = result.with_suffix(".md").read_text()
@@ -65,6 +66,7 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         "disk write",
         "plain DCP (side by side)",
         "raw dist_checkpointing (side by side)",
+        "hashing every file",
         "async blocking",
         "first async",
         "first sync",

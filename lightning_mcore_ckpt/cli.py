@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_mcore_ckpt import _cli_checks as _checks
 from lightning_mcore_ckpt._version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -101,19 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--atol", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)"
     )
 
-    fsck = commands.add_parser(
-        "fsck",
-        help="check every step of a run (or one step) for missing, short or changed files",
-        description="Check the complete steps of a MegatronCheckpoint directory, or one step "
-        "directory, without loading tensors: the commit marker, every file's presence and "
-        "size at the commit, the dist-checkpoint indexes and shard files, one extra/ file per "
-        "rank. --deep also reads every file and compares its hash with the one recorded at the "
-        "commit. Exit code 1 when any step is damaged (each step and file named), 0 otherwise.",
-    )
-    fsck.add_argument("path", help="a MegatronCheckpoint dirpath or one global_step_<N>/")
-    fsck.add_argument(
-        "--deep", action="store_true", help="also re-hash every file (reads the whole step)"
-    )
+    _checks.add_parsers(commands)
 
     check = commands.add_parser(
         "check-resume",
@@ -250,40 +239,6 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _fsck(args: argparse.Namespace) -> int:
-    from lightning_mcore_ckpt import fsck
-
-    try:
-        result = fsck.check(args.path, deep=args.deep)
-    except FileNotFoundError as err:
-        return _fail(err)
-    for step in result.steps:
-        if step.problems:
-            print(f"{step.path.name}  DAMAGED")
-            for problem in step.problems:
-                print(f"    {problem}")
-            continue
-        if args.deep and step.hashed:
-            how = f"{step.hashed} of {step.files} files re-hashed"
-        elif args.deep:
-            how = "no hashes recorded (committed before they were kept): sizes checked"
-        else:
-            how = f"{step.files} files: sizes and structure"
-        print(f"{step.path.name}  OK ({how})")
-    for stale in result.incomplete:
-        print(f"{stale.name}  incomplete (never committed; ignored by 'last')")
-    for note in result.notes:
-        print(f"note: {note}")
-    damaged = [s.path.name for s in result.damaged]
-    if damaged:
-        print(f"FAILED: {len(damaged)} damaged step(s): {', '.join(damaged)}")
-        return 1
-    if not result.steps:
-        return 1
-    print(f"OK: {len(result.steps)} step(s) checked{' (deep)' if args.deep else ''}")
-    return 0
-
-
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mcore_ckpt import report
 
@@ -358,8 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _import(args)
     if args.command == "verify":
         return _verify(args)
-    if args.command == "fsck":
-        return _fsck(args)
+    if args.command in ("inspect", "fsck"):
+        return _checks.run(args)
     if args.command == "check-resume":
         return _check_resume(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover

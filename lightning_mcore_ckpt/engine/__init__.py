@@ -23,6 +23,7 @@ from lightning_mcore_ckpt.engine._records import (
 from lightning_mcore_ckpt.engine._state_dicts import (
     TrainingState,
     megatron_optimizer_metadata,
+    module_sharded_state_dict,
     optimizer_sharded_state_dict,
     stateless_params,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "cpu_group",
     "holds_weights_only",
     "megatron_optimizer_metadata",
+    "module_sharded_state_dict",
     "optimizer_sharded_state_dict",
     "record_metadata",
     "stateless_params",

@@ -16,6 +16,7 @@ __all__ = [
     "TrainingState",
     "distributed_optimizers",
     "megatron_optimizer_metadata",
+    "module_sharded_state_dict",
     "optimizer_sharded_state_dict",
     "optimizers_to_save",
     "pickled_values",
@@ -52,7 +53,7 @@ class TrainingState:
     ``distrib_optim_sharding_type``): ``"dp_reshardable"`` or ``"fully_reshardable"``."""
 
 
-def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, Any]:
+def module_sharded_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
     """``module``'s weights as a Megatron-Core sharded state dict, keys prefixed by ``prefix``.
 
     Megatron-Core modules contribute their own ``sharded_state_dict()``; any other parameter
@@ -75,7 +76,7 @@ def _module_sharded_state_dict(module: torch.nn.Module, prefix: str) -> dict[str
             inner, _ = _unwrap(child)
             out.update(inner.sharded_state_dict(prefix=f"{prefix}{name}."))
         else:
-            out.update(_module_sharded_state_dict(child, f"{prefix}{name}."))
+            out.update(module_sharded_state_dict(child, f"{prefix}{name}."))
     return out
 
 
@@ -93,7 +94,7 @@ def _unwrap(module: torch.nn.Module) -> tuple[Any, str]:
 
 
 def to_module_keys(module: torch.nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` (keys of :func:`_module_sharded_state_dict`) with the keys ``module``'s
+    """``state_dict`` (keys of :func:`module_sharded_state_dict`) with the keys ``module``'s
     own ``load_state_dict`` expects: wrapped models' attribute paths put back."""
     from megatron.core.transformer.module import MegatronModule
 

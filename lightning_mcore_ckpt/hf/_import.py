@@ -81,7 +81,7 @@ def import_checkpoint(
         )
     bridge = HFBridge(hf_model_path, dtype=dtype, argument="import: hf_dir")
     start = time.perf_counter()
-    with _single_process_parallel_state(), _megatron_environ_writes_undone():
+    with single_process_parallel_state(), megatron_environ_writes_undone():
         from megatron.core import dist_checkpointing
 
         model: Any = bridge.gpt_model()
@@ -109,7 +109,7 @@ def import_checkpoint(
 
 
 @contextmanager
-def _single_process_parallel_state() -> Iterator[None]:
+def single_process_parallel_state() -> Iterator[None]:
     """A world-size-1 process group and Megatron-Core parallel state for the block.
 
     Uses what exists; creates what does not (the group on an in-memory ``HashStore``, without
@@ -140,7 +140,7 @@ _MEGATRON_ENVIRON_PREFIX = "NVTE_"
 
 
 @contextmanager
-def _megatron_environ_writes_undone() -> Iterator[None]:
+def megatron_environ_writes_undone() -> Iterator[None]:
     """Put back the ``NVTE_*`` variables as they were before the block.
 
     Building a Megatron-Core ``GPTModel`` writes its attention-backend choice into

@@ -25,8 +25,8 @@ from lightning_mcore_ckpt.engine import (
     SaveOptions,
     TrainingState,
     holds_weights_only,
+    module_sharded_state_dict,
 )
-from lightning_mcore_ckpt.engine._state_dicts import _module_sharded_state_dict
 from lightning_mcore_ckpt.layout import EXTRA_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.strategy._config import StrategyConfig
 from lightning_mcore_ckpt.strategy._data import elastic_dataloader
@@ -195,7 +195,7 @@ class MegatronStrategy(MegatronTrainingBase):
         or persistent buffer is a replicated tensor (written once, by global rank 0's replica).
         """
         assert self.lightning_module is not None
-        return _module_sharded_state_dict(self.lightning_module, "")
+        return module_sharded_state_dict(self.lightning_module)
 
     def parallel_layout(self) -> dict[str, int]:
         """The parallel sizes of this run, as recorded in checkpoints."""

@@ -1,0 +1,132 @@
+"""The ``fsck`` and ``inspect`` commands of ``lightning-mcore-ckpt``: is a step whole and
+unchanged, and will it load where it is going."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_parsers", "run"]
+
+
+def _fail(message: object) -> int:
+    print(f"lightning-mcore-ckpt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def add_parsers(commands: Any) -> None:
+    """Add ``fsck`` and ``inspect`` to the command line's subparsers."""
+    fsck = commands.add_parser(
+        "fsck",
+        help="check every step of a run (or one step) for missing, short or changed files",
+        description="Check the complete steps of a MegatronCheckpoint directory, or one step "
+        "directory, without loading tensors: the commit marker, every file's presence and "
+        "size at the commit, the dist-checkpoint indexes and shard files, one extra/ file per "
+        "rank. --deep also reads every file and compares its hash with the one recorded at the "
+        "commit. Exit code 1 when any step is damaged (each step and file named), 0 otherwise.",
+    )
+    fsck.add_argument("path", help="a MegatronCheckpoint dirpath or one global_step_<N>/")
+    fsck.add_argument(
+        "--deep", action="store_true", help="also re-hash every file (reads the whole step)"
+    )
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="will a step load into a layout and a model? From metadata only, in seconds",
+        description="Answer, from a step's metadata (no tensor data), on one CPU process: "
+        "whether it loads into the target layout and the model a config builds (missing, "
+        "unexpected, renamed and reshaped keys, sizes the model cannot be split into), its "
+        "optimizer state and whether it reshards there, which ranks have dataloader and RNG "
+        "state and what a data-parallel change does to them, the versions that wrote it, and "
+        "the Hugging Face copy against its config. Exit code 1 on any blocker, each with its "
+        "fix; 0 when it loads.",
+    )
+    inspect.add_argument("step", help="a step directory (global_step_<N>/)")
+    inspect.add_argument(
+        "--config",
+        metavar="run.yaml",
+        help="a LightningCLI config: the model to compare with (built on the meta device) and "
+        "its layout (MegatronStrategy sizes, trainer.devices x num_nodes)",
+    )
+    for flag, size in (
+        ("--tp", "tensor_model_parallel_size"),
+        ("--pp", "pipeline_model_parallel_size"),
+        ("--cp", "context_parallel_size"),
+        ("--ep", "expert_model_parallel_size"),
+        ("--dp", "data_parallel_size"),
+    ):
+        inspect.add_argument(
+            flag, dest=size, type=int, metavar="N", help=f"target {size} (default: as saved)"
+        )
+    inspect.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``fsck`` or ``inspect``; the exit code."""
+    return _fsck(args) if args.command == "fsck" else _inspect(args)
+
+
+def _fsck(args: argparse.Namespace) -> int:
+    from lightning_mcore_ckpt import fsck
+
+    try:
+        result = fsck.check(args.path, deep=args.deep)
+    except FileNotFoundError as err:
+        return _fail(err)
+    for step in result.steps:
+        if step.problems:
+            print(f"{step.path.name}  DAMAGED")
+            for problem in step.problems:
+                print(f"    {problem}")
+            continue
+        if args.deep and step.hashed:
+            how = f"{step.hashed} of {step.files} files re-hashed"
+        elif args.deep:
+            how = "no hashes recorded (committed before they were kept): sizes checked"
+        else:
+            how = f"{step.files} files: sizes and structure"
+        print(f"{step.path.name}  OK ({how})")
+    for stale in result.incomplete:
+        print(f"{stale.name}  incomplete (never committed; ignored by 'last')")
+    for note in result.notes:
+        print(f"note: {note}")
+    damaged = [s.path.name for s in result.damaged]
+    if damaged:
+        print(f"FAILED: {len(damaged)} damaged step(s): {', '.join(damaged)}")
+        return 1
+    if not result.steps:
+        return 1
+    print(f"OK: {len(result.steps)} step(s) checked{' (deep)' if args.deep else ''}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from lightning_mcore_ckpt import preflight
+
+    target: dict[str, int] = {}
+    spec = None
+    for size in preflight.SIZES:
+        value = getattr(args, size)
+        if value is not None and value < 1:
+            return _fail(f"--{size}: {value} is not a positive size")
+    try:
+        if args.config is not None:
+            from lightning_mcore_ckpt._preflight_config import spec_from_config
+
+            spec, target = spec_from_config(args.config)
+        target.update({s: getattr(args, s) for s in preflight.SIZES if getattr(args, s)})
+        report = preflight.inspect_step(args.step, target, spec)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(err)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for finding in report.findings:
+            mark = "BLOCKER" if finding.blocker else "ok     "
+            print(f"{mark} [{finding.topic}] {finding.message}")
+        blockers = len(report.blockers)
+        print(f"FAILED: {blockers} blocker(s)" if blockers else "OK: it loads")
+    return 1 if report.blockers else 0

@@ -1,0 +1,389 @@
+"""``lightning-mcore-ckpt inspect``: will this step load into that layout and that model?
+
+Answered from metadata only, on one CPU process, in seconds: the commit marker, each
+dist-checkpoint's index (``.metadata``: keys, global shapes, dtypes; no shard file is opened),
+the ``extra/`` files (RNG and Lightning's state: a few KB per rank) and the Hugging Face copy's
+``config.json`` and safetensors headers. The model a config builds is built on the meta device
+(no weights). Whether the step's files are whole is ``fsck``'s question, not this one's.
+
+Every finding is a :class:`Finding`; a blocker (``blocker=True``) says what would fail or go
+wrong, and how to fix it.
+
+Example::
+
+    from lightning_mcore_ckpt import preflight
+
+    report = preflight.inspect_step("checkpoints/run/global_step_100", {"tensor_model_parallel_size": 4})
+    for finding in report.blockers:
+        print(finding.topic, finding.message)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_mcore_ckpt import _compat, _safe_dcp, _safe_load, layout
+from lightning_mcore_ckpt.callback._loops import between_epochs
+
+__all__ = ["SIZES", "Finding", "Inspection", "ModelSpec", "inspect_step"]
+
+SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "data_parallel_size",
+)
+"""The parallel sizes of a layout, as ``metadata.json``'s ``parallel_layout`` names them."""
+_MODEL_PARALLEL = SIZES[:4]
+
+
+@dataclass
+class Finding:
+    """One answer: ``topic`` (``format``, ``versions``, ``layout``, ``model``, ``optimizer``,
+    ``data``, ``rng``, ``hf``), whether it blocks the load, and the message (with the fix)."""
+
+    topic: str
+    message: str
+    blocker: bool = False
+
+
+@dataclass
+class ModelSpec:
+    """The model a load would fill: its checkpoint keys with global shapes and dtypes, and
+    Megatron-Core's configs of its modules (checked against the target layout)."""
+
+    keys: dict[str, tuple[tuple[int, ...], str]]
+    configs: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Inspection:
+    """What :func:`inspect_step` found."""
+
+    step: Path
+    saved_layout: dict[str, int]
+    target_layout: dict[str, int]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def blockers(self) -> list[Finding]:
+        return [f for f in self.findings if f.blocker]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": str(self.step),
+            "saved_layout": self.saved_layout,
+            "target_layout": self.target_layout,
+            "loadable": not self.blockers,
+            "findings": [dataclasses.asdict(f) for f in self.findings],
+        }
+
+
+def inspect_step(
+    step: str | os.PathLike[str],
+    target: Mapping[str, int] | None = None,
+    model: ModelSpec | None = None,
+) -> Inspection:
+    """Check whether ``step`` loads into the ``target`` layout (sizes by :data:`SIZES` name;
+    missing ones: as saved) and, given its :class:`ModelSpec`, into that model."""
+    path = Path(step)
+    meta = layout.read_metadata(path)
+    if meta is None:
+        raise FileNotFoundError(
+            f"{path} is not a committed step ({layout.METADATA_FILE} missing or unreadable); "
+            "`lightning-mcore-ckpt ls` lists a run's complete steps"
+        )
+    saved = {k: int(v) for k, v in (meta.get("parallel_layout") or {}).items() if k in SIZES}
+    wanted = {**saved, **{k: int(v) for k, v in (target or {}).items() if v is not None}}
+    report = Inspection(path, saved, wanted)
+    add = report.findings.append
+    _format_and_versions(path, meta, add)
+    changed = [k for k in SIZES if saved.get(k, 1) != wanted.get(k, 1)]
+    add(
+        Finding(
+            "layout",
+            f"saved with {_describe(saved)}; loading into {_describe(wanted)}"
+            + (f" (changes: {', '.join(_short(k) for k in changed)})" if changed else ""),
+        )
+    )
+    contents = meta.get("contents") or ["model"]
+    if "model" in contents:
+        _model(path, wanted, model, add)
+    if "optimizer" in contents:
+        _optimizer(path, meta, saved, wanted, add)
+    if "extra" in contents:
+        _extra(path, meta, saved, wanted, add)
+    if (path / layout.HF_DIR / "config.json").is_file():
+        _hf(path / layout.HF_DIR, add)
+    return report
+
+
+def _short(name: str) -> str:
+    return {"tensor": "TP", "pipeline": "PP", "context": "CP", "expert": "EP", "data": "DP"}[
+        name.split("_", 1)[0]
+    ]
+
+
+def _describe(sizes: Mapping[str, int]) -> str:
+    return " ".join(f"{_short(k)}={sizes.get(k, 1)}" for k in SIZES)
+
+
+def _format_and_versions(path: Path, meta: dict[str, Any], add: Any) -> None:
+    try:
+        layout.check_format(path)
+        _compat.check_readable(path)
+    except ValueError as err:
+        add(Finding("format", str(err), blocker=True))
+    else:
+        version = meta.get("format_version")
+        add(Finding("format", f"format {version}; this lightning-mcore-ckpt reads it"))
+    wrote, have = meta.get("versions") or {}, _compat.versions()
+    for name in ("megatron_core", "torch", "lightning", "lightning_mcore_ckpt"):
+        if name in wrote:
+            same = "the same" if wrote[name] == have.get(name) else f"{have.get(name)} installed"
+            add(Finding("versions", f"{name} {wrote[name]} wrote it; {same}"))
+
+
+def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: Any) -> None:
+    index = _safe_dcp.read_dcp_metadata(path / layout.MODEL_DIR)
+    saved = {
+        key: (tuple(md.size), str(md.properties.dtype).replace("torch.", ""))
+        for key, md in index.state_dict_metadata.items()
+        if hasattr(md, "size")
+    }
+    add(Finding("model", f"{len(saved)} tensors in model/"))
+    tp = wanted.get("tensor_model_parallel_size", 1)
+    for key, (shape, _) in sorted(saved.items()):
+        if key.endswith(("word_embeddings.weight", "output_layer.weight")) and shape[0] % tp:
+            add(
+                Finding(
+                    "model",
+                    f"{key}: its vocabulary ({shape[0]} rows) does not divide by TP={tp}; "
+                    "choose a tensor-parallel size that divides it, or pad the vocabulary when "
+                    "building the model (Megatron-LM's make_vocab_size_divisible_by)",
+                    blocker=True,
+                )
+            )
+    if model is None:
+        return
+    missing = {k: v for k, v in model.keys.items() if k not in saved}
+    unexpected = {k: v for k, v in saved.items() if k not in model.keys}
+    for key in sorted(missing):
+        twins = [k for k, v in unexpected.items() if v == missing[key]]
+        hint = (
+            f" (renamed? the checkpoint has {twins[0]!r} of that shape and dtype)" if twins else ""
+        )
+        add(
+            Finding(
+                "model",
+                f"the model's {key!r} {list(missing[key][0])} is not in the checkpoint{hint}; "
+                "build the model with the names it was saved with (same attribute path and "
+                "config)",
+                blocker=True,
+            )
+        )
+    for key in sorted(unexpected):
+        add(Finding("model", f"{key!r} is in the checkpoint but not in the model: not loaded"))
+    for key in sorted(set(saved) & set(model.keys)):
+        if saved[key][0] != model.keys[key][0]:
+            add(
+                Finding(
+                    "model",
+                    f"{key!r} has shape {list(saved[key][0])} in the checkpoint but "
+                    f"{list(model.keys[key][0])} in the model; load it into a model with the "
+                    "configuration it was saved with",
+                    blocker=True,
+                )
+            )
+    sizes = {k: wanted.get(k, 1) for k in _MODEL_PARALLEL}
+    for config in model.configs:
+        try:
+            dataclasses.replace(config, **sizes)
+        except (ValueError, AssertionError) as err:
+            add(
+                Finding(
+                    "layout",
+                    f"the model cannot be built with {_describe(sizes)}: {err}; choose sizes "
+                    "that divide the model's dimensions",
+                    blocker=True,
+                )
+            )
+            break
+
+
+def _optimizer(
+    path: Path, meta: dict[str, Any], saved: dict[str, int], wanted: dict[str, int], add: Any
+) -> None:
+    index = _safe_dcp.read_dcp_metadata(path / layout.OPTIM_DIR)
+    states = sorted(
+        {
+            key.split(".state.", 1)[1].split(".", 1)[0]
+            for key in index.state_dict_metadata
+            if ".state." in key
+        }
+    )
+    kind = "Adam/AdamW" if {"exp_avg", "exp_avg_sq"} <= set(states) else "optimizer"
+    sharding = meta.get("optimizer_sharding")
+    how = (
+        f"Megatron-Core's distributed optimizer, saved {sharding!r}"
+        if sharding
+        else "sharded like the weights (reshards into any layout)"
+    )
+    add(Finding("optimizer", f"{kind} state ({', '.join(states) or 'none'}): {how}"))
+    differs = [k for k in _MODEL_PARALLEL if saved.get(k, 1) != wanted.get(k, 1)]
+    if sharding == "dp_reshardable" and differs:
+        what = ", ".join(
+            f"{_short(k)}={saved.get(k, 1)} saved, {wanted.get(k, 1)} wanted" for k in differs
+        )
+        add(
+            Finding(
+                "optimizer",
+                f"its state reshards across data-parallel sizes only ({what}): resume with the "
+                "saving layout, or save one step with MegatronStrategy("
+                "ckpt_optimizer_sharding='fully_reshardable') from it first, or load the weights "
+                "only (MegatronStrategy(init_from=...))",
+                blocker=True,
+            )
+        )
+    elif sharding not in (None, "dp_reshardable", "fully_reshardable"):
+        add(Finding("optimizer", f"sharding type {sharding!r} cannot be loaded", blocker=True))
+
+
+def _extra(
+    path: Path, meta: dict[str, Any], saved: dict[str, int], wanted: dict[str, int], add: Any
+) -> None:
+    from lightning_mcore_ckpt.sampler import is_elastic_state
+
+    files = sorted((path / layout.EXTRA_DIR).glob("rank_*.pt"))
+    world = (meta.get("parallel_layout") or {}).get("world_size", len(files))
+    if len(files) != world:
+        add(
+            Finding(
+                "data",
+                f"extra/ has {len(files)} rank files, the save had {world}: run "
+                f"`lightning-mcore-ckpt fsck {path}`",
+                blocker=True,
+            )
+        )
+    with_loader: list[tuple[int, bool]] = []
+    without_rng: list[int] = []
+    mid_epoch = None
+    for file in files:
+        payload = _safe_load.load_torch_file(file)
+        rank = int(payload.get("rank", files.index(file)))
+        if not payload.get("rng"):
+            without_rng.append(rank)
+        fit = (payload.get("lightning") or {}).get("loops", {}).get("fit_loop") or {}
+        state = fit.get("state_dict") or {}
+        loaders = state.get("combined_loader") or []
+        if loaders:
+            with_loader.append((rank, all(is_elastic_state(s) for s in loaders)))
+        batches = fit.get("epoch_loop.batch_progress") or {}
+        progress = batches.get("current") or {}
+        done = max(int(progress.get("completed", 0)), int(progress.get("processed", 0)))
+        if done and not batches.get("is_last_batch") and not between_epochs(fit):
+            mid_epoch = done
+    ranks = [r for r, _ in with_loader]
+    add(
+        Finding(
+            "data",
+            f"dataloader state for ranks {_ranges(ranks)} of {world}"
+            if ranks
+            else "no dataloader state (the loader was not stateful)",
+        )
+    )
+    if mid_epoch and len(ranks) < len(files):
+        lacking = sorted(set(range(len(files))) - set(ranks))
+        add(
+            Finding(
+                "data",
+                f"saved inside an epoch (after {mid_epoch} batches) without the dataloader's "
+                f"position on ranks {_ranges(lacking)}: a resume is refused (the rest of the "
+                "epoch would not see the data the uninterrupted run sees). Train with "
+                "torchdata.stateful_dataloader.StatefulDataLoader, save at epoch ends, or "
+                "resume with MegatronCheckpoint(restore_dataloader=False) to restart the epoch",
+                blocker=True,
+            )
+        )
+    dp_saved, dp_wanted = saved.get("data_parallel_size", 1), wanted.get("data_parallel_size", 1)
+    if dp_saved != dp_wanted and with_loader:
+        if all(elastic for _, elastic in with_loader):
+            add(
+                Finding(
+                    "data",
+                    f"DP {dp_saved} -> {dp_wanted}: ElasticSampler continues at the next global sample",
+                )
+            )
+        else:
+            add(
+                Finding(
+                    "data",
+                    f"DP {dp_saved} -> {dp_wanted}: the dataloader positions are per rank and "
+                    "cannot be mapped; use lightning_mcore_ckpt.ElasticSampler, or resume with "
+                    "MegatronCheckpoint(restore_dataloader=False) to restart the epoch's order",
+                    blocker=True,
+                )
+            )
+    if without_rng:
+        add(Finding("rng", f"no RNG state for ranks {_ranges(without_rng)}"))
+    elif saved == wanted:
+        add(Finding("rng", f"RNG state of every rank ({len(files)}): restored exactly"))
+    else:
+        add(
+            Finding(
+                "rng",
+                "the layout changes: RNG streams are per rank, so they are derived again from "
+                "the seed and rank 0's state (the run continues, not bit for bit)",
+            )
+        )
+
+
+def _hf(hf_dir: Path, add: Any) -> None:
+    from safetensors import safe_open
+
+    from lightning_mcore_ckpt.hf._safetensors import safetensors_files
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    shapes: dict[str, list[int]] = {}
+    for file, names in safetensors_files(hf_dir).items():
+        with safe_open(str(hf_dir / file), framework="pt") as f:
+            for name in names:
+                shapes[name] = list(f.get_slice(name).get_shape())
+    layers = {n.split(".")[2] for n in shapes if n.startswith("model.layers.")}
+    expected = {
+        "model.embed_tokens.weight": [config.get("vocab_size"), config.get("hidden_size")],
+    }
+    problems = [
+        f"{name} is {shapes.get(name)}, config.json says {want}"
+        for name, want in expected.items()
+        if name in shapes and shapes[name] != want
+    ]
+    if "num_hidden_layers" in config and len(layers) != config["num_hidden_layers"]:
+        problems.append(f"{len(layers)} layers, config.json says {config['num_hidden_layers']}")
+    for problem in problems:
+        add(Finding("hf", f"huggingface/: {problem}; export it again", blocker=True))
+    if not problems:
+        add(Finding("hf", f"huggingface/: {len(shapes)} tensors, consistent with config.json"))
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    if not ranks:
+        return "none"
+    ranks = sorted(ranks)
+    spans, start, prev = [], ranks[0], ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is None or rank != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            if rank is not None:
+                start = rank
+        if rank is not None:
+            prev = rank
+    return ", ".join(spans)

@@ -1,5 +1,5 @@
-"""The ``fsck`` and ``inspect`` commands of ``lightning-mcore-ckpt``: is a step whole and
-unchanged, and will it load where it is going."""
+"""The ``fsck``, ``inspect`` and ``diff`` commands of ``lightning-mcore-ckpt``: is a step whole
+and unchanged, will it load where it is going, and what differs between two steps."""
 
 from __future__ import annotations
 
@@ -16,7 +16,23 @@ def _fail(message: object) -> int:
 
 
 def add_parsers(commands: Any) -> None:
-    """Add ``fsck`` and ``inspect`` to the command line's subparsers."""
+    """Add ``fsck``, ``inspect`` and ``diff`` to the command line's subparsers."""
+    compare = commands.add_parser(
+        "diff",
+        help="compare two steps tensor by tensor (any layouts), in bounded memory",
+        description="Compare the weights of two steps (and with --optimizer, the optimizer "
+        "state), whatever layouts saved them: keys only in A or only in B, shape and dtype "
+        "changes, and per tensor the elements that differ, the largest |a-b| and its size "
+        "relative to the largest |a|. Read slice by slice (--chunk-mib per step at a time). "
+        "Exit code 0 when identical, 1 when they differ.",
+    )
+    compare.add_argument("a", help="a step directory")
+    compare.add_argument("b", help="another step directory")
+    compare.add_argument("--optimizer", action="store_true", help="also compare optim/")
+    compare.add_argument(
+        "--chunk-mib", type=float, default=64, help="MiB of a tensor read at once (default 64)"
+    )
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
     fsck = commands.add_parser(
         "fsck",
         help="check every step of a run (or one step) for missing, short or changed files",
@@ -63,8 +79,42 @@ def add_parsers(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``fsck`` or ``inspect``; the exit code."""
-    return _fsck(args) if args.command == "fsck" else _inspect(args)
+    """Run ``fsck``, ``inspect`` or ``diff``; the exit code."""
+    return {"fsck": _fsck, "inspect": _inspect, "diff": _diff}[args.command](args)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    import json
+
+    from lightning_mcore_ckpt import diff
+
+    if args.chunk_mib <= 0:
+        return _fail(f"--chunk-mib: {args.chunk_mib} is not a positive size")
+    try:
+        result = diff.diff_steps(
+            args.a, args.b, optimizer=args.optimizer, chunk_bytes=int(args.chunk_mib * 2**20)
+        )
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(err)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0 if result.identical else 1
+    for key in result.only_a:
+        print(f"only in A: {key}")
+    for key in result.only_b:
+        print(f"only in B: {key}")
+    for change in result.changed:
+        print(f"changed:   {change}")
+    for t in result.differing:
+        print(
+            f"differs:   {t.part}/{t.key} {t.shape} {t.dtype}: {t.differing} of {t.numel} "
+            f"elements, max |a-b| {t.max_abs:.6g} ({t.max_rel:.3g} of max |a|)"
+        )
+    print(
+        f"compared {len(result.tensors)} tensors: {len(result.differing)} differ"
+        + ("; identical" if result.identical else "")
+    )
+    return 0 if result.identical else 1
 
 
 def _fsck(args: argparse.Namespace) -> int:

@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _import(args)
     if args.command == "verify":
         return _verify(args)
-    if args.command in ("inspect", "fsck"):
+    if args.command in ("inspect", "fsck", "diff"):
         return _checks.run(args)
     if args.command == "check-resume":
         return _check_resume(args)

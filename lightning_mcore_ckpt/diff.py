@@ -1,0 +1,196 @@
+"""``lightning-mcore-ckpt diff``: what differs between two steps, tensor by tensor.
+
+The steps may have been saved in different layouts (TP/PP/DP): tensors are compared whole,
+as the checkpoint's global tensors, read straight from each step's dist-checkpoint on one
+process without a process group. Memory stays bounded: each tensor is read in slices of whole
+rows (``chunk_bytes`` per step at a time), never a whole model.
+
+Example::
+
+    from lightning_mcore_ckpt import diff
+
+    result = diff.diff_steps("run/global_step_100", "run/global_step_200")
+    for t in result.differing:
+        print(t.key, t.max_abs, t.differing, "of", t.numel)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt import layout
+
+__all__ = ["StepDiff", "TensorDiff", "diff_steps"]
+
+
+@dataclass
+class TensorDiff:
+    """One tensor present in both steps."""
+
+    key: str
+    part: str
+    """``model`` or ``optim``."""
+    shape: list[int]
+    dtype: str
+    numel: int
+    differing: int = 0
+    """Elements that are not equal (NaN equals NaN)."""
+    max_abs: float = 0.0
+    """Largest ``|a - b|``."""
+    max_rel: float = 0.0
+    """``max_abs`` relative to the largest ``|a|`` of the tensor (0 when ``a`` is all zeros
+    and so is the difference)."""
+
+
+@dataclass
+class StepDiff:
+    """What :func:`diff_steps` found: ``a`` and ``b`` as given."""
+
+    a: Path
+    b: Path
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    """Keys in both whose shape or dtype differ (``key: a -> b``)."""
+    tensors: list[TensorDiff] = field(default_factory=list)
+
+    @property
+    def differing(self) -> list[TensorDiff]:
+        return [t for t in self.tensors if t.differing]
+
+    @property
+    def identical(self) -> bool:
+        return not (self.only_a or self.only_b or self.changed or self.differing)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "a": str(self.a),
+            "b": str(self.b),
+            "identical": self.identical,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+            "changed": self.changed,
+            "compared": len(self.tensors),
+            "tensors": [dataclasses.asdict(t) for t in self.tensors],
+        }
+
+
+def _rows(md: Any, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(first row, rows)`` slices of a tensor along its first axis, ``chunk_bytes`` each."""
+    shape = list(md.size)
+    if not shape:
+        yield 0, 0
+        return
+    row = math.prod(shape[1:]) * torch.empty((), dtype=md.properties.dtype).element_size()
+    step = max(1, chunk_bytes // max(1, row))
+    for start in range(0, shape[0], step):
+        yield start, min(step, shape[0] - start)
+
+
+def _read(reader: Any, key: str, md: Any, start: int, rows: int) -> torch.Tensor:
+    """Rows ``start:start+rows`` of a checkpoint tensor (all of a 0-d one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from lightning_mcore_ckpt.hf._reader import SlicePlanner
+
+    shape = list(md.size)
+    sizes = [rows, *shape[1:]] if shape else []
+    out = torch.empty(sizes, dtype=md.properties.dtype)
+
+    class Rows(SlicePlanner):  # type: ignore[misc]
+        def create_local_plan(self) -> Any:
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+            from torch.distributed.checkpoint.planner import LoadPlan
+            from torch.distributed.checkpoint.planner_helpers import (
+                create_read_items_for_chunk_list,
+            )
+
+            offsets = [start] + [0] * (len(shape) - 1) if shape else []
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            items = [
+                dataclasses.replace(
+                    item, dest_index=MetadataIndex("rows", item.dest_index.offset, None)
+                )
+                for item in create_read_items_for_chunk_list(key, md, [chunk])
+            ]
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            view = out
+            for dim, (begin, length) in enumerate(
+                zip(read_item.dest_offsets, read_item.lengths, strict=True)
+            ):
+                view = view.narrow(dim, begin, length)
+            return view
+
+    dcp.load({}, storage_reader=reader.reader, planner=Rows({}), no_dist=True)
+    return out
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, found: TensorDiff, scale: list[float]) -> None:
+    x, y = a.double(), b.double()
+    both_nan = torch.isnan(x) & torch.isnan(y)
+    unequal = (x != y) & ~both_nan
+    found.differing += int(unequal.sum())
+    if found.differing:
+        delta = (x - y).abs().masked_fill(both_nan, 0.0)
+        found.max_abs = max(found.max_abs, float(delta.max()))
+    if x.numel():
+        scale[0] = max(scale[0], float(x.abs().masked_fill(torch.isnan(x), 0.0).max()))
+
+
+def _diff_part(a: Path, b: Path, part: str, chunk_bytes: int, result: StepDiff) -> None:
+    from lightning_mcore_ckpt.hf._reader import CheckpointReader
+
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    keys_a, keys_b = set(ra.tensors), set(rb.tensors)
+    result.only_a += sorted(f"{part}/{k}" for k in keys_a - keys_b)
+    result.only_b += sorted(f"{part}/{k}" for k in keys_b - keys_a)
+    for key in sorted(keys_a & keys_b):
+        ma, mb = ra.tensors[key], rb.tensors[key]
+        shape_a, shape_b = list(ma.size), list(mb.size)
+        dtype_a, dtype_b = ma.properties.dtype, mb.properties.dtype
+        if shape_a != shape_b or dtype_a != dtype_b:
+            result.changed.append(
+                f"{part}/{key}: {shape_a} {str(dtype_a)[6:]} -> {shape_b} {str(dtype_b)[6:]}"
+            )
+            continue
+        found = TensorDiff(key, part, shape_a, str(dtype_a)[6:], math.prod(shape_a))
+        scale = [0.0]
+        for start, rows in _rows(ma, chunk_bytes):
+            _compare(_read(ra, key, ma, start, rows), _read(rb, key, mb, start, rows), found, scale)
+        found.max_rel = found.max_abs / scale[0] if scale[0] else 0.0
+        result.tensors.append(found)
+
+
+def diff_steps(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    optimizer: bool = False,
+    chunk_bytes: int = 64 << 20,
+) -> StepDiff:
+    """Compare the weights (and with ``optimizer``, the optimizer state) of two steps.
+
+    Raises ``FileNotFoundError`` when either is not a step with ``model/``.
+    """
+    result = StepDiff(Path(a), Path(b))
+    parts = [layout.MODEL_DIR] + ([layout.OPTIM_DIR] if optimizer else [])
+    for step in (result.a, result.b):
+        if not (step / layout.MODEL_DIR / ".metadata").is_file():
+            raise FileNotFoundError(f"{step} is not a step directory with {layout.MODEL_DIR}/")
+    for part in parts:
+        da, db = result.a / part, result.b / part
+        missing = [str(d) for d in (da, db) if not (d / ".metadata").is_file()]
+        if missing:
+            raise FileNotFoundError(f"--optimizer: {', '.join(missing)} does not exist")
+        _diff_part(da, db, part, chunk_bytes, result)
+    return result

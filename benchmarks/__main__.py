@@ -95,7 +95,7 @@ def _hf_sizes(quick: bool) -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks import workloads
+    from benchmarks import dedup, workloads
     from lightning_mcore_ckpt.testing import run_distributed
 
     scratch = Path(args.dir).resolve()
@@ -162,6 +162,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 run_["d2h"] = d2h
             results["runs"].append(run_)
             shutil.rmtree(cfg["dir"], ignore_errors=True)
+        # A frozen base saved with and without dedup (one process).
+        root = scratch / f"{size}-dedup"
+        figures = run_distributed(
+            dedup.frozen_saves, 1, {"size": size, "dir": str(root), "device": device}, timeout=3600
+        )[0]
+        results.setdefault("dedup", []).append({"size": size, **figures})
+        shutil.rmtree(root, ignore_errors=True)
     results["hf_export"] = [] if args.skip_hf_export else hf_export_scaling(scratch, args.quick)
     shutil.rmtree(scratch, ignore_errors=True)
     return results
@@ -219,6 +226,8 @@ def _row(name: str, m: dict[str, Any], limit: dict[str, Any], sync_save: float) 
 
 
 def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
+    from benchmarks import dedup
+
     lines = [
         f"Measured {results['date']} on {results['machine']['host']} "
         f"({results['machine']['cpus']} CPUs, {results['machine']['platform']}).",
@@ -305,6 +314,10 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
         checks = targets(run_, by, overhead, limit)
         for name, ok, value in checks:
             verdicts.append(f"{'MET ' if ok else 'MISSED'}  {name}  ({value})")
+    for row in results.get("dedup", []):
+        dedup_lines, verdict = dedup.report(row["size"], row)
+        lines += dedup_lines
+        verdicts.append(f"{'MET ' if verdict[1] else 'MISSED'}  {verdict[0]}  ({verdict[2]})")
     lines += hf_table(results["hf_export"])
     lines += ["", "### Targets", "", "```", *verdicts, "```", ""]
     return "\n".join(lines), verdicts

@@ -121,6 +121,7 @@ def _trainer(
     async_save: bool,
     device: str = "cpu",
     writer: str = "threads",
+    **options: Any,
 ) -> Any:
     import lightning.pytorch as pl
 
@@ -128,7 +129,7 @@ def _trainer(
 
     return pl.Trainer(
         strategy=MegatronStrategy(
-            tensor_model_parallel_size=tp, ckpt_async_save=async_save, ckpt_writer=writer
+            tensor_model_parallel_size=tp, ckpt_async_save=async_save, ckpt_writer=writer, **options
         ),
         accelerator=device,
         devices=world,

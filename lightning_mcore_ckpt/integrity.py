@@ -42,6 +42,7 @@ __all__ = [
     "hash_file",
     "json_digest",
     "record",
+    "record_references",
     "seal",
     "take",
 ]
@@ -76,6 +77,11 @@ class HashingWriter:
         written = self._file.write(data)
         self._hasher.update(data)
         return written
+
+    @property
+    def name(self) -> str:
+        """The file's name (as the file object it wraps names it)."""
+        return str(getattr(self._file, "name", ""))
 
     def tell(self) -> int:
         return self._file.tell()
@@ -141,14 +147,26 @@ def record(path: str | os.PathLike[str], digest: str) -> None:
         _written[os.path.abspath(path)] = digest
 
 
+_references: dict[str, dict[str, str]] = {}
+
+
+def record_references(step: str | os.PathLike[str], files: Mapping[str, str]) -> None:
+    """Remember files outside ``step`` that it points at (by path relative to it, e.g.
+    ``../shared/x.distcp``) and their digests (thread-safe)."""
+    with _lock:
+        _references.setdefault(os.path.abspath(step), {}).update(files)
+
+
 def take(step: str | os.PathLike[str]) -> dict[str, str]:
-    """The digests recorded for files under ``step``, by path relative to it; forgotten here."""
+    """The digests recorded for files under ``step`` and for the files it references, by path
+    relative to it; forgotten here."""
     root = os.path.abspath(step) + os.sep
     with _lock:
         mine = {p: d for p, d in _written.items() if p.startswith(root)}
         for p in mine:
             del _written[p]
-    return {Path(p[len(root) :]).as_posix(): d for p, d in mine.items()}
+        references = _references.pop(os.path.abspath(step), {})
+    return {**{Path(p[len(root) :]).as_posix(): d for p, d in mine.items()}, **references}
 
 
 def complete(

@@ -46,6 +46,7 @@ __all__ = [
     "METADATA_FORMAT_VERSION",
     "MODEL_DIR",
     "OPTIM_DIR",
+    "SHARED_DIR",
     "STARTED_MARKER",
     "TRACKER_FILE",
     "DirectoryLock",
@@ -77,6 +78,9 @@ OPTIM_DIR = "optim"
 """Sub-directory of a step with the optimizers' dist-checkpoint."""
 EXTRA_DIR = "extra"
 """Sub-directory of a step with one ``rank_<r>.pt`` per rank (RNG, Lightning's state)."""
+SHARED_DIR = "shared"
+"""Directory of a run (next to its steps) holding the files of tensors written once and
+referenced by several steps (``MegatronStrategy(ckpt_dedup=True)``)."""
 HF_DIR = "huggingface"
 """Sub-directory of a step with its Hugging Face export."""
 EXTRA_FORMAT_VERSION = 2

@@ -7,16 +7,20 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from lightning_mcore_ckpt import _atomic
+from lightning_mcore_ckpt import _atomic, _safe_dcp
 from lightning_mcore_ckpt.layout import (
     METADATA_FILE,
+    MODEL_DIR,
+    OPTIM_DIR,
+    SHARED_DIR,
     STARTED_MARKER,
     StepDir,
     is_ours,
+    read_metadata,
     step_number,
 )
 
-__all__ = ["remove_step", "retention_plan"]
+__all__ = ["collect_shared", "remove_step", "retention_plan"]
 
 
 def retention_plan(
@@ -77,3 +81,49 @@ def remove_step(path: str | os.PathLike[str]) -> None:
     (p / METADATA_FILE).unlink(missing_ok=True)
     _atomic.fsync_dir(p)
     shutil.rmtree(p, ignore_errors=False)
+    collect_shared(p.parent)
+
+
+def _references(step: Path) -> set[str]:
+    """The names of the ``shared/`` files a step directory points at (committed or not)."""
+    names = set()
+    meta = read_metadata(step) or {}
+    for name in meta.get("files") or {}:
+        if name.startswith(f"../{SHARED_DIR}/"):
+            names.add(name.rsplit("/", 1)[1])
+    for part in (MODEL_DIR, OPTIM_DIR):  # a save not committed yet has no metadata.json
+        if (step / part / ".metadata").is_file():
+            try:
+                index = _safe_dcp.read_dcp_metadata(step / part)
+            except Exception:  # noqa: BLE001 - unreadable: it references nothing loadable
+                continue
+            for info in (index.storage_data or {}).values():
+                if info.relative_path.startswith(f"../../{SHARED_DIR}/"):
+                    names.add(info.relative_path.rsplit("/", 1)[1])
+    return names
+
+
+def collect_shared(dirpath: str | os.PathLike[str]) -> list[Path]:
+    """Delete the files of ``dirpath``'s ``shared/`` store (tensors written once, see
+    ``MegatronStrategy(ckpt_dedup=True)``) that no step directory references any more.
+
+    A file is kept while a step directory points at it, or while the step that wrote it (its
+    name starts with that step's directory name) still exists: a save in flight writes its new
+    shared files before its index names them. Returns the deleted files.
+    """
+    root = Path(dirpath)
+    shared = root / SHARED_DIR
+    if not shared.is_dir():
+        return []
+    steps = [d for d in root.iterdir() if d.is_dir() and step_number(d) is not None]
+    keep = set().union(*(_references(d) for d in steps)) if steps else set()
+    writers = {d.name for d in steps}
+    deleted = []
+    for file in sorted(shared.iterdir()):
+        if file.name in keep or file.name.split("-", 1)[0] in writers:
+            continue
+        file.unlink()
+        deleted.append(file)
+    if deleted:
+        _atomic.fsync_dir(shared)
+    return deleted

@@ -47,6 +47,12 @@ def commit_step(
     step = Path(path)
     sizes = _atomic.fsync_tree(step)
     sizes.pop(METADATA_FILE, None)  # a previous commit's, replaced below (an export added)
+    # Files outside the step it points at (tensors written once: ../shared/...), fsynced by
+    # their writer; their directory entries here.
+    shared = {n: (step / n).stat().st_size for n in metadata.get("hashes") or {} if n[:3] == "../"}
+    if shared:
+        _atomic.fsync_dir(step.parent / layout.SHARED_DIR)
+    sizes.update(shared)
     _atomic.fsync_dir(step.parent)  # the step's own entry in the run directory
     filled = dict(metadata)
     filled["files"] = dict(sorted(sizes.items()))

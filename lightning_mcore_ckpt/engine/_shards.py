@@ -24,6 +24,7 @@ interface, without a process per save.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -33,12 +34,15 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_mcore_ckpt import integrity
+from lightning_mcore_ckpt.engine._dedup import Dedup
+from lightning_mcore_ckpt.layout import SHARED_DIR
 
 __all__ = ["BackgroundWrites", "ShardWriter", "StagingBuffers", "default_write_threads"]
 
@@ -168,9 +172,11 @@ class StagingBuffers:
 class ShardWriter:
     """Writes the shard files of Megatron-Core's save requests with this rank's thread pool."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, dedup: bool = False) -> None:
         self.threads = threads
         self.staging = StagingBuffers()
+        self.dedup = Dedup() if dedup else None
+        """Frozen tensors written once and referenced by later saves (see ``_dedup``)."""
         self.pools_started = 0
         """Thread pools started so far (one per rank for the whole run)."""
         self._pool: ThreadPoolExecutor | None = None
@@ -193,25 +199,44 @@ class ShardWriter:
         order; staged here, on the calling thread (``snapshot``: see :meth:`StagingBuffers.stage`).
         """
         jobs, finalize_fns = [], []
+        if self.dedup is not None:
+            self.dedup.begin()
         for name, req in requests:
             if req.async_fn is not None:
                 transforms = req.async_fn.args[0]  # partial(write_fn, transform_list, use_msc)
                 _rank, buckets, results = req.async_fn_args
-                jobs.append((transforms, self.staging.stage(name, buckets, snapshot), results))
+                count, origin = len(buckets), list(range(len(buckets)))
+                reused: dict[int, list[Any]] = {}
+                if self.dedup is not None and buckets:
+                    step = Path(buckets[0][0]).parent.parent
+                    buckets, origin, reused = self.dedup.split(name, step, buckets)
+                staged = self.staging.stage(name, buckets, snapshot)
+                jobs.append(_Job(transforms, staged, results, count, origin, reused))
             finalize_fns.extend(req.finalize_fns)
         return request_class(self.write, (jobs, write_timer), finalize_fns)
 
-    def write(self, jobs: Sequence[tuple[Any, Any, Any]], write_timer: torch.Tensor) -> None:
+    def write(self, jobs: Sequence[_Job], write_timer: torch.Tensor) -> None:
         """Write every file of ``jobs`` in parallel; each job's results (or its first error) go
         to its results queue, where Megatron-Core's finaliser takes them. Raises nothing."""
         start = time.perf_counter()
         pool = self._threads()
         futures = [
-            [pool.submit(_write_file, transforms, bucket, self._abort) for bucket in buckets]
-            for transforms, buckets, _results in jobs
+            [
+                pool.submit(_write_file, job.transforms, bucket, self._abort)
+                if bucket[2][0] or bucket[2][1]
+                else None
+                for bucket in job.buckets
+            ]
+            for job in jobs
         ]
-        for (_t, _b, results), files in zip(jobs, futures, strict=True):
-            results.put(_collect(files))
+        for job, files in zip(jobs, futures, strict=True):
+            collected = _collect(files, job)
+            if self.dedup is not None and not isinstance(collected, Exception) and job.buckets:
+                step = Path(job.buckets[0][0]).parent.parent
+                written = [r for part in collected.values() for r in part]
+                self.dedup.written(written, step.parent / SHARED_DIR)
+                integrity.record_references(step, self.dedup.references())
+            job.results.put(collected)
         write_timer[0] = time.perf_counter() - start
 
     def abort(self) -> None:
@@ -222,19 +247,49 @@ class ShardWriter:
     def resume(self) -> None:
         self._abort.clear()
 
+    def saved(self) -> None:
+        """The save committed on every rank (the shared tensors it references are kept)."""
+        if self.dedup is not None:
+            self.dedup.saved()
+
+    def forget(self) -> None:
+        """The save failed: what it wrote into ``shared/`` is not reused."""
+        if self.dedup is not None:
+            self.dedup.forget()
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
 
-def _collect(files: Sequence[Future[list[Any]]]) -> dict[int, list[Any]] | Exception:
-    """Megatron-Core's results format: ``{file index: write results}``, or the first error."""
-    results: dict[int, list[Any]] = {}
+@dataclasses.dataclass
+class _Job:
+    """The files of one part (``model``, ``optim``) of a save."""
+
+    transforms: Any
+    buckets: list[Any]
+    """What each file holds (after dedup: the step's own files, then new shared ones)."""
+    results: Any
+    """Megatron-Core's queue for this part's write results."""
+    count: int
+    """The files Megatron-Core planned (its finaliser expects results for each)."""
+    origin: list[int]
+    """The planned file each of ``buckets`` comes from."""
+    reused: dict[int, list[Any]]
+    """Write results of tensors not written (in ``shared/`` already), by planned file."""
+
+
+def _collect(
+    files: Sequence[Future[list[Any]] | None], job: _Job
+) -> dict[int, list[Any]] | Exception:
+    """Megatron-Core's results format: ``{planned file index: write results}``, or the first
+    error."""
+    results: dict[int, list[Any]] = {i: list(job.reused.get(i, [])) for i in range(job.count)}
     error: Exception | None = None
     for index, future in enumerate(files):
         try:
-            results[index] = future.result()
+            results[job.origin[index]] += [] if future is None else future.result()
         except Exception as err:  # noqa: BLE001 - reported through the results queue
             error = error or err
     return error if error is not None else results

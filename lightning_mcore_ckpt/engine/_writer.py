@@ -16,6 +16,7 @@ from lightning_mcore_ckpt import _compat, _safe_load, retention
 from lightning_mcore_ckpt.engine import _collectives
 from lightning_mcore_ckpt.engine._agreeing import save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
+from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import commit_unowned
 from lightning_mcore_ckpt.engine._extra import RefusalWarnings, write_extra
 from lightning_mcore_ckpt.engine._plans import SavePlans
@@ -58,14 +59,12 @@ class CheckpointWriter:
     point of the job. A save goes through this sequence of calls:
 
     1) (all ranks) :meth:`save`: finalise the pending save (blocking, as in 4); rank 0 creates
-       the step directory and every rank gets its verdict (broadcast); every rank plans and
-       stages its shards of ``model/`` and ``optim/`` (Megatron-Core's planning is collective)
-       and writes its own ``extra/rank_<r>.pt``; every rank agrees on whether any rank failed
-       (all-reduce, then the failing rank's error broadcast). Then, synchronously: every rank
-       writes its shards, agrees, runs Megatron-Core's finalisers (they gather every rank's
-       write results on rank 0: collective), agrees, and completes (all-reduce of timings;
-       ``on_finalized`` and the owning listeners' ``saved``, on every rank, in that order).
-       Asynchronously: every rank hands its writes to the background process and returns.
+       the step directory (every rank gets its verdict); every rank plans (collective) and
+       stages its shards, writes its ``extra/rank_<r>.pt``, and agrees on whether any rank
+       failed. Then, synchronously: every rank writes its shards, agrees, runs Megatron-Core's
+       finalisers (collective), agrees, and completes (all-reduce of timings; ``on_finalized``
+       and the owning listeners' ``saved``, on every rank). Asynchronously: every rank hands
+       its writes to the background thread and returns.
     2) (all ranks, async only) :meth:`finalize` with ``blocking=False``, at each training batch
        start: Megatron-Core's queue agrees over all ranks on whether the writes are done;
        ``False`` until they are done on every rank; then it completes the save as in 1.
@@ -89,6 +88,7 @@ class CheckpointWriter:
         writer: str = _compat.THREADS,
         write_threads: int | None = None,
         cache_plans: bool = True,
+        dedup: bool = False,
     ) -> None:
         self.async_save = async_save
         """Write model and optimizer shards in the background (unless a save asks otherwise)."""
@@ -96,7 +96,7 @@ class CheckpointWriter:
         """Spread the writes of replicated tensors across data-parallel ranks."""
         self.writer = writer
         """``"threads"`` (:class:`~._shards.ShardWriter`) or ``"megatron"`` (Megatron-Core's)."""
-        self.shards = ShardWriter(write_threads or default_write_threads())
+        self.shards = ShardWriter(write_threads or default_write_threads(), dedup)
         self.plans = SavePlans(self._strategy, enabled=cache_plans)
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
@@ -148,14 +148,14 @@ class CheckpointWriter:
                 return self._failed(path, CheckpointSaveError(problem), options)
             raise FileExistsError(problem)
         async_save = self.async_save and not options.synchronous
-        # Rank 0's finalisation errors, kept until every rank has passed the collectives that
-        # follow them (see _agreeing), then shared.
+        # Rank 0's finalisation errors, shared once every rank passed the collectives after.
         kept: list[BaseException] = []
-        # Sync and async saves take the same path (as dist_checkpointing.save does internally):
-        # plan and stage here, write (inline or in the background), then finalise. So both
-        # measure the same phases.
+        # Sync and async saves take the same path (plan and stage here, write inline or in the
+        # background, then finalise), as dist_checkpointing.save does: the same phases timed.
         parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
         own = self.writer == _compat.THREADS
+        if own and self.shards.dedup is not None:
+            self.shards.dedup.frozen = frozen_storages(state.module)
         if "model" in contents:
             parts.append((state.model_sharded_state_dict(), path / MODEL_DIR, None))
         sharding = None
@@ -244,6 +244,7 @@ class CheckpointWriter:
         return [listener for listener in self._listeners if listener.owns(path)]
 
     def _failed(self, path: Path, failure: CheckpointSaveError, options: SaveOptions) -> None:
+        self.shards.forget()
         handled = False
         if options.on_error is not None:
             options.on_error(failure)
@@ -262,10 +263,8 @@ class CheckpointWriter:
         options: SaveOptions,
         device: torch.device,
     ) -> None:
-        # Collective (every rank finalises the same save at the same point): the job was
-        # blocked, and the write lasted, as long as on its slowest rank.
-        # The save's total time runs from the first rank's start (clocks of different hosts
-        # are not compared: each rank measures its own elapsed time).
+        # Collective: blocking, write and total times are the slowest rank's (each rank
+        # measures its own elapsed time: clocks of different hosts are not compared).
         now = time.perf_counter()
         step, epoch = base.pop("global_step"), base.pop("epoch")
         mine = [
@@ -284,6 +283,7 @@ class CheckpointWriter:
             total_time_s=elapsed,
             finalized_at=now,
         )
+        self.shards.saved()
         owners = self._owners(record.path)
         if not owners:
             failure = commit_unowned(record, step, epoch, device)

@@ -86,6 +86,11 @@ class StrategyConfig:
     commit recorded (a changed byte anywhere is caught; ``"last"`` then takes the previous
     undamaged step). Costs a read of the step before the load (see ``docs/performance.md``).
     Off: sizes and structure are checked (always)."""
+    ckpt_dedup: bool = False
+    """Write the tensors of frozen parameters once: into the run directory's ``shared/``, and
+    from the second save of a run on, only when their bytes changed (hashed at each save); a
+    step's index points at them. Retention keeps a shared file while a step references it.
+    Needs ``ckpt_writer="threads"``. A step then depends on ``shared/`` (copy both)."""
     ckpt_cache_plans: bool = True
     """Reuse Megatron-Core's save plans (and the assignment of replicated tensors to writers)
     while the state's structure does not change; every save checks it (a fingerprint of keys,
@@ -137,6 +142,11 @@ class StrategyConfig:
             raise ValueError(
                 f"MegatronStrategy(ckpt_writer={self.ckpt_writer!r}): "
                 f"use one of {', '.join(map(repr, WRITERS))}"
+            )
+        if self.ckpt_dedup and self.ckpt_writer != WRITERS[0]:
+            raise ValueError(
+                f"MegatronStrategy(ckpt_dedup=True, ckpt_writer={self.ckpt_writer!r}): dedup is "
+                "done by our shard writer; use ckpt_writer='threads' (the default) with it"
             )
         for name in ("ckpt_write_threads", "ckpt_read_threads"):
             if getattr(self, name) is not None:

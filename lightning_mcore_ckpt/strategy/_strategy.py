@@ -85,6 +85,7 @@ class MegatronStrategy(MegatronTrainingBase):
         ckpt_write_threads: int | None = None,
         ckpt_read_threads: int | None = None,
         ckpt_verify_hashes: bool = False,
+        ckpt_dedup: bool = False,
         ckpt_cache_plans: bool = True,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
@@ -100,6 +101,7 @@ class MegatronStrategy(MegatronTrainingBase):
             writer=config.ckpt_writer,
             write_threads=config.ckpt_write_threads,
             cache_plans=config.ckpt_cache_plans,
+            dedup=config.ckpt_dedup,
         )
         self._reader = CheckpointReader(
             parallel_load=config.ckpt_parallel_load,

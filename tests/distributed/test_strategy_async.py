@@ -68,11 +68,11 @@ def _load_weights(rank: int, world_size: int, step_dir: str) -> dict[str, torch.
     _parallel.initialize(tensor_model_parallel_size=1, device_type="cpu")
     module = torch.nn.Module()
     module.gpt = tiny_gpt()
-    from lightning_mcore_ckpt.engine._state_dicts import _module_sharded_state_dict
+    from lightning_mcore_ckpt.engine import module_sharded_state_dict
 
-    state = dist_checkpointing.load(_module_sharded_state_dict(module, ""), f"{step_dir}/model")
+    state = dist_checkpointing.load(module_sharded_state_dict(module), f"{step_dir}/model")
     module.load_state_dict(state)
-    return gather_sharded(_module_sharded_state_dict(module, ""))
+    return gather_sharded(module_sharded_state_dict(module))
 
 
 @WRITERS

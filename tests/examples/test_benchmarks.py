@@ -74,6 +74,7 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         "cold load >= 0.8",
         "torch.load",
         "step overhead",
+        "frozen base, later saves",
     ):
         assert target in table, target
     assert result.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -10,6 +10,7 @@ delegates its ``save_checkpoint``, ``load_checkpoint`` and ``remove_checkpoint``
 from __future__ import annotations
 
 from lightning_mcore_ckpt.engine._collectives import cpu_group
+from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import commit_step, record_metadata
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
@@ -41,6 +42,7 @@ __all__ = [
     "TrainingState",
     "commit_step",
     "cpu_group",
+    "frozen_storages",
     "holds_weights_only",
     "megatron_optimizer_metadata",
     "module_sharded_state_dict",

@@ -7,7 +7,8 @@ change between saves, yet every save would write them again. With dedup, our sha
   (``<dirpath>/shared/<step>-<part>-<file>``), not into the step; the step's dist-checkpoint
   index points at them (``../../shared/...``: torch DCP's readers, ours, Megatron-Core's and
   the Hugging Face export all follow such a path);
-- at a later save, hashes each such tensor's bytes (XXH3-128, faster than a memory copy) and,
+- at a later save (and at the first save after a load of a step that points at ``shared/``),
+  hashes each such tensor's bytes (XXH3-128, faster than a memory copy) and,
   when they are the bytes already in ``shared/``, writes nothing: the new index points at the
   same place. A frozen tensor that did change (a ``.data`` write, a layer unfrozen) is written
   again. Trainable tensors and the optimizer state are written into the step as always.
@@ -16,7 +17,7 @@ What a step references is recorded in its ``metadata.json`` (``files`` and ``has
 ``../shared/...`` file with its size and digest): the step stays self-describing, ``fsck``
 checks those files too, and retention deletes a shared file only once no step references it
 (:func:`lightning_mcore_ckpt.retention.collect_shared`). Reuse is decided per rank and per
-tensor from what this process saved before: the first save of each run writes every tensor.
+tensor from what this process saved or loaded before.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def frozen_storages(module: torch.nn.Module) -> set[int]:
 
 
 def _data_digest(tensor: torch.Tensor) -> str:
+    """The digest of a tensor's bytes in memory, with its dtype (whatever view of them)."""
     hasher = integrity._new()
     data = tensor.detach()
     if data.device.type != "cpu":
@@ -51,7 +53,7 @@ def _data_digest(tensor: torch.Tensor) -> str:
     data = data.contiguous()
     if data.numel():
         hasher.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-    return f"{integrity.ALGORITHM}:{hasher.hexdigest()}:{data.dtype}:{tuple(data.shape)}"
+    return f"{integrity.ALGORITHM}:{hasher.hexdigest()}:{data.dtype}:{data.numel()}"
 
 
 @dataclasses.dataclass
@@ -99,7 +101,9 @@ class Dedup:
                 if tensor.untyped_storage().data_ptr() not in self.frozen:
                     keep.append((item, tensor))
                     continue
-                key = (str(shared), name, (item.index.fqn, tuple(item.index.offset)))
+                chunk = item.tensor_data.chunk
+                place = (item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
+                key = (str(shared), name, place)
                 digest = _data_digest(tensor)
                 entry = self._kept.get(key)
                 if entry is not None and entry.data == digest:
@@ -140,7 +144,7 @@ class Dedup:
                 continue
             self._file_digests[f"../{SHARED_DIR}/{file}"] = digest
             for key, data in entries:
-                result = by_index.get(key[2])
+                result = by_index.get(key[2][:2])
                 if result is not None:
                     self._staged[key] = _Entry(result, data, f"../{SHARED_DIR}/{file}")
 
@@ -152,6 +156,50 @@ class Dedup:
     def saved(self) -> None:
         """The save committed on every rank: what it references is what the next one reuses."""
         self._kept, self._staged = self._staged, {}
+
+    def seed(self, step: Path, model_sharded_state_dict: Any, frozen: set[int]) -> int:
+        """After a load of ``step``: its frozen tensors that live in ``shared/`` (just loaded,
+        so their bytes are the stored ones) are what the next save may point at. Returns how
+        many tensors were recorded."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        from lightning_mcore_ckpt import _safe_dcp, layout
+
+        digests = (layout.read_metadata(step) or {}).get("hashes") or {}
+        index = _safe_dcp.read_dcp_metadata(step / layout.MODEL_DIR)
+        stored = {(k.fqn, tuple(k.offset or ())): (k, v) for k, v in index.storage_data.items()}
+        sizes = {
+            (key, tuple(c.offsets)): tuple(c.sizes)
+            for key, md in index.state_dict_metadata.items()
+            for c in getattr(md, "chunks", ())
+        }
+        shared = str((step.parent / SHARED_DIR).resolve())
+        apply_factories(model_sharded_state_dict)
+        seeded = 0
+        for sh in nested_values(model_sharded_state_dict):
+            if not isinstance(sh, ShardedTensor) or sh.data is None:
+                continue
+            if sh.data.untyped_storage().data_ptr() not in frozen:
+                continue
+            where = (sh.key, tuple(sh.global_offset))
+            # The stored chunk must be this rank's piece exactly (another layout saved it
+            # otherwise: its pieces are other ones).
+            local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+            if sizes.get(where) != local:
+                continue
+            found = stored.get(where)
+            file = found[1].relative_path[3:] if found else ""  # ../../shared/x -> ../shared/x
+            if not file.startswith(f"../{SHARED_DIR}/") or file not in digests:
+                continue
+            index_key, info = found  # type: ignore[misc]
+            result = WriteResult(index=index_key, size_in_bytes=info.length, storage_data=info)
+            place = (*where, local)
+            self._kept[(shared, "model", place)] = _Entry(result, _data_digest(sh.data), file)
+            self._file_digests[file] = digests[file]
+            seeded += 1
+        return seeded
 
     def forget(self) -> None:
         """The save failed: the next one reuses what the last committed save referenced."""

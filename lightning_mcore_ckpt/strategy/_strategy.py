@@ -24,6 +24,7 @@ from lightning_mcore_ckpt.engine import (
     SaveListener,
     SaveOptions,
     TrainingState,
+    frozen_storages,
     holds_weights_only,
     module_sharded_state_dict,
 )
@@ -337,6 +338,9 @@ class MegatronStrategy(MegatronTrainingBase):
             log.info("loading %s as trusted by the user: its pickles are not checked", path)
         self._reader.check_extra(path / EXTRA_DIR, self._training_state(), trusted=trusted)
         self._load_weights(path, trusted=trusted)
+        if self._writer.shards.dedup is not None:  # the frozen tensors just loaded: reusable
+            frozen = frozen_storages(self.lightning_module)
+            self._writer.shards.dedup.seed(path, self.model_sharded_state_dict(), frozen)
         if fitting and self.optimizers and holds_weights_only(path):
             # Weights and nothing else (e.g. from `lightning-mcore-ckpt import`): training
             # starts from them, with a fresh optimizer and step 0.

@@ -34,6 +34,7 @@ def _fit(
     keep: int,
     resume: bool = False,
     touch_frozen_at: int | None = None,
+    tp: int = 2,
 ) -> dict[str, Any]:
     from _frozen_models import FrozenBase
     from _trainer import gathered_weights, loader, make_trainer
@@ -41,7 +42,7 @@ def _fit(
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
 
     strategy = MegatronStrategy(
-        tensor_model_parallel_size=2, ckpt_async_save=async_save, ckpt_dedup=True
+        tensor_model_parallel_size=tp, ckpt_async_save=async_save, ckpt_dedup=True
     )
     callback = MegatronCheckpoint(root, every_n_train_steps=2, save_last=False, max_to_keep=keep)
     trainer = make_trainer(
@@ -97,14 +98,15 @@ def test_a_frozen_base_is_written_once_kept_while_referenced_and_resumed_exactly
         assert r_resumed["losses"] == r_whole["losses"][4:]
         for key, tensor in r_whole["weights"].items():
             assert torch.equal(tensor, r_resumed["weights"][key]), key
-    # The resumed run's first save wrote the frozen base again (reuse is decided from what a
-    # process saved); once step 4 went, nothing referenced step 2's files: they went too.
+    # The resumed run's first save pointed at the frozen base step 4 was loaded from: step 2's
+    # files, kept after step 4 went because step 6 references them.
     assert [s.step for s in layout.complete_steps(part)] == [6]
+    assert all(r["reused"] > 0 for r in resumed)
     left = {p.name for p in (part / "shared").iterdir()}
     meta = layout.read_metadata(part / "global_step_6")
     assert meta is not None
     assert left == {n.rsplit("/", 1)[1] for n in meta["files"] if n.startswith("../shared/")}
-    assert left and all(n.startswith("global_step_6-") for n in left)
+    assert left and all(n.startswith("global_step_2-") for n in left)
 
 
 def test_a_frozen_weight_changed_through_data_is_written_again(tmp_path: Path) -> None:
@@ -142,3 +144,27 @@ def test_damage_in_a_shared_file_is_found_in_every_step_that_references_it(
     assert [s.path.name for s in found.damaged] == ["global_step_2", "global_step_4"]
     assert all(any(target.name in p for p in s.problems) for s in found.damaged)
     shutil.rmtree(run)
+
+
+def test_a_resume_into_another_layout_writes_its_own_pieces(tmp_path: Path) -> None:
+    # Saved with TP=2 (each rank's piece of the frozen base in shared/), resumed with TP=1: the
+    # one rank's pieces are other ones, so nothing stored may be pointed at.
+    run = tmp_path / "run"
+    run_distributed(_fit, 2, str(run), False, 4, 1, timeout=250)
+    (resumed,) = run_distributed(_fit, 1, str(run), False, 6, 2, True, None, 1, timeout=250)
+    step6 = run / "global_step_6"
+    # The pieces TP splits were written again; replicated ones (layer norms) are the same
+    # pieces in both layouts and may be pointed at.
+    index = read_dcp_metadata(step6 / "model")
+    split = [
+        info.relative_path
+        for where, info in index.storage_data.items()
+        if where.fqn == "gpt.decoder.layers.self_attention.linear_qkv.weight"
+    ]
+    assert split and all("global_step_6-model-" in p for p in split), split
+    assert resumed["reused"] < 64 * 1024  # at most the layer norms
+    assert layout.verify_step(step6, deep=True) == []
+    from lightning_mcore_ckpt import diff
+
+    changed = {t.key for t in diff.diff_steps(run / "global_step_4", step6).differing}
+    assert changed == {TRAINABLE}  # the frozen base reads back the same in both layouts

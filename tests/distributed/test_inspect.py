@@ -197,3 +197,30 @@ def test_a_missing_dataloader_state_inside_an_epoch_is_a_blocker(
     assert (
         "BLOCKER [data] saved inside an epoch" in done.stdout and "FAILED: 1 blocker" in done.stdout
     )
+
+
+def test_the_hugging_face_copy_is_checked_against_its_config(
+    steps: dict[str, Path], tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    step = _without_tensor_files(steps["stateful"], tmp_path)
+    hf = step / layout.HF_DIR
+    hf.mkdir()
+    config = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2}
+    (hf / "config.json").write_text(json.dumps(config))
+    tensors = {
+        "model.embed_tokens.weight": torch.zeros(128, 64),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(64, 256),
+        "model.layers.1.mlp.down_proj.weight": torch.zeros(64, 256),
+    }
+    save_file(tensors, str(hf / "model.safetensors"))
+    code, report = _inspect(step)
+    assert code == 0 and "2 layers" not in json.dumps(report)
+    assert "huggingface/: 3 tensors, consistent with config.json" in json.dumps(report)
+    (hf / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    code, report = _inspect(step)
+    assert code == 1
+    (blocker,) = _blockers(report)
+    assert "model.embed_tokens.weight is [128, 64], config.json says [128, 32]" in blocker

@@ -363,14 +363,16 @@ def targets(
         # The hashing's own time (the state's bytes at one thread's XXH3 speed, as if no
         # writer thread hashed in parallel) against a sync save; the side-by-side difference
         # is reported with it (on a noisy disk it is within the saves' spread).
-        hashing = ours["bytes"] / 1e9 / limit["hash_gbps"] / sync_s
+        at_disk = limit["write_gbps"] / limit["hash_gbps"]
+        in_save = ours["bytes"] / 1e9 / limit["hash_gbps"] / sync_s
         seen = side["ours"]["median"] / side["ours, files not hashed"]["median"] - 1
         checks.append(
             (
-                f"{tag}: hashing every file < 5 % of a sync save",
-                hashing < 0.05,
-                f"{hashing:.1%} of the save on one thread at {limit['hash_gbps']:.1f} GB/s; "
-                f"side by side {seen:+.1%}",
+                f"{tag}: hashing every file < 5 % of a save at the disk's speed",
+                at_disk < 0.05,
+                f"{at_disk:.1%} at {limit['write_gbps']:.2f} GB/s, one thread hashing "
+                f"{limit['hash_gbps']:.1f} GB/s; {in_save:.1%} of this run's sync save; side "
+                f"by side {seen:+.1%}",
             )
         )
     for other in ("plain DCP", "raw dist_checkpointing"):
@@ -466,6 +468,32 @@ def chart(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _only_dedup(args: argparse.Namespace) -> int:
+    from benchmarks import dedup
+    from lightning_mcore_ckpt.testing import run_distributed
+
+    scratch = Path(args.dir).resolve()
+    shutil.rmtree(scratch, ignore_errors=True)
+    rows, lines, verdicts = [], [], []
+    for size in ["quick"] if args.quick else args.sizes.split(","):
+        root = scratch / f"{size}-dedup"
+        config = {"size": size, "dir": str(root), "device": args.device}
+        figures = run_distributed(dedup.frozen_saves, 1, config, timeout=3600)[0]
+        rows.append({"size": size, **figures})
+        more, verdict = dedup.report(size, figures)
+        lines += more
+        verdicts.append(f"{'MET ' if verdict[1] else 'MISSED'}  {verdict[0]}  ({verdict[2]})")
+    shutil.rmtree(scratch, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{datetime.date.today()}-{socket.gethostname()}-dedup"
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = "\n".join([*lines, "```", *verdicts, "```", ""])
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--sizes", default="256M,1G", help="states to measure (256M, 1G, 4G)")
@@ -480,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--skip-hf-export", action="store_true", help="without the Hugging Face export scaling"
+    )
+    parser.add_argument(
+        "--only-dedup", action="store_true", help="only the frozen base with and without dedup"
     )
     parser.add_argument(
         "--device",
@@ -502,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"{stem}.md").write_text(table)
         print(table)
         return 0
+    if args.only_dedup:
+        return _only_dedup(args)
     unknown = [s for s in args.sizes.split(",") if s not in ("256M", "1G", "4G")]
     if unknown:
         parser.error(f"--sizes {args.sizes}: unknown {unknown}; use 256M, 1G, 4G")

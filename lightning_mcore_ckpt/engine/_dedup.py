@@ -82,12 +82,20 @@ class Dedup:
         """Bytes the last save did not write (referenced instead)."""
 
     def split(
-        self, name: str, step: Path, buckets: Sequence[Any]
+        self, name: str, step: Path, buckets: Sequence[Any], pool: Any = None
     ) -> tuple[list[Any], list[int], dict[int, list[Any]]]:
         """This save's files of part ``name``: the buckets to write (the step's own, then new
         shared ones), the original bucket each comes from, and the reused write results of each
-        original bucket."""
+        original bucket. ``pool`` (an executor) hashes the frozen tensors in parallel (XXH3
+        releases the GIL)."""
         shared = (step.parent / SHARED_DIR).resolve()
+        frozen = [
+            tensor
+            for _f, _k, (_b, tensor_data) in buckets
+            for _item, tensor in tensor_data
+            if tensor.untyped_storage().data_ptr() in self.frozen
+        ]
+        digests = iter(list((pool.map if pool is not None else map)(_data_digest, frozen)))
         own: list[Any] = []
         extra: list[Any] = []
         origin_own: list[int] = []
@@ -104,7 +112,7 @@ class Dedup:
                 chunk = item.tensor_data.chunk
                 place = (item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
                 key = (str(shared), name, place)
-                digest = _data_digest(tensor)
+                digest = next(digests)
                 entry = self._kept.get(key)
                 if entry is not None and entry.data == digest:
                     reused.setdefault(index, []).append(entry.result)

@@ -209,7 +209,8 @@ class ShardWriter:
                 reused: dict[int, list[Any]] = {}
                 if self.dedup is not None and buckets:
                     step = Path(buckets[0][0]).parent.parent
-                    buckets, origin, reused = self.dedup.split(name, step, buckets)
+                    split = self.dedup.split(name, step, buckets, self._threads())
+                    buckets, origin, reused = split
                 staged = self.staging.stage(name, buckets, snapshot)
                 jobs.append(_Job(transforms, staged, results, count, origin, reused))
             finalize_fns.extend(req.finalize_fns)

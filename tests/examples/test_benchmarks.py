@@ -66,7 +66,7 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         "disk write",
         "plain DCP (side by side)",
         "raw dist_checkpointing (side by side)",
-        "hashing every file < 5 % of a save at the disk
+        "hashing every file < 5 % of a save at the disk",
         "async blocking",
         "first async",
         "first sync",

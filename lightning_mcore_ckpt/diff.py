@@ -33,7 +33,13 @@ __all__ = ["StepDiff", "TensorDiff", "diff_steps"]
 
 @dataclass
 class TensorDiff:
-    """One tensor present in both steps."""
+    """One tensor present in both steps.
+
+    Example::
+
+        t = diff_steps(a, b).tensors[0]
+        print(t.key, t.differing, "of", t.numel, "max |a-b|", t.max_abs)
+    """
 
     key: str
     part: str
@@ -52,7 +58,13 @@ class TensorDiff:
 
 @dataclass
 class StepDiff:
-    """What :func:`diff_steps` found: ``a`` and ``b`` as given."""
+    """What :func:`diff_steps` found: ``a`` and ``b`` as given.
+
+    Example::
+
+        result = diff_steps(a, b)
+        print(result.identical, result.only_a, result.only_b, result.changed)
+    """
 
     a: Path
     b: Path
@@ -181,6 +193,11 @@ def diff_steps(
     """Compare the weights (and with ``optimizer``, the optimizer state) of two steps.
 
     Raises ``FileNotFoundError`` when either is not a step with ``model/``.
+
+    Example::
+
+        result = diff_steps("tp2/global_step_100", "tp1/global_step_100", optimizer=True)
+        assert result.identical  # a resharded copy
     """
     result = StepDiff(Path(a), Path(b))
     parts = [layout.MODEL_DIR] + ([layout.OPTIM_DIR] if optimizer else [])

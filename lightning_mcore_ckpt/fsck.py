@@ -27,7 +27,13 @@ __all__ = ["FsckResult", "StepCheck", "check"]
 
 @dataclass
 class StepCheck:
-    """One step's verdict."""
+    """One step's verdict.
+
+    Example::
+
+        for step in fsck.check("checkpoints/run").steps:
+            print(step.path.name, step.problems or "OK", f"{step.hashed}/{step.files} hashed")
+    """
 
     path: Path
     problems: list[str]
@@ -40,7 +46,13 @@ class StepCheck:
 
 @dataclass
 class FsckResult:
-    """What :func:`check` found."""
+    """What :func:`check` found.
+
+    Example::
+
+        result = fsck.check("checkpoints/run", deep=True)
+        print([s.path.name for s in result.damaged], result.incomplete, result.notes)
+    """
 
     steps: list[StepCheck] = field(default_factory=list)
     incomplete: list[Path] = field(default_factory=list)
@@ -65,6 +77,11 @@ def check(path: str | os.PathLike[str], deep: bool = False) -> FsckResult:
 
     Raises ``FileNotFoundError`` when ``path`` is neither. A step directory named explicitly
     that never committed is damaged (nothing can load it).
+
+    Example::
+
+        result = check("checkpoints/run/global_step_100", deep=True)
+        assert not result.damaged
     """
     root = Path(path)
     if not root.is_dir():

@@ -67,6 +67,13 @@ class HashingWriter:
     """Wraps a binary file open for writing: what is written through it is hashed on the way.
 
     Only sequential writes (no ``seek``): a digest is of the bytes in file order.
+
+    Example::
+
+        with open("shard.distcp", "wb") as f:
+            out = HashingWriter(f)
+            torch.save(tensor, out)
+        print(out.digest)  # "xxh3-128:..."
     """
 
     def __init__(self, file: IO[bytes]) -> None:
@@ -102,7 +109,12 @@ class HashingWriter:
 
 
 def hash_file(path: str | os.PathLike[str]) -> str:
-    """The digest of a whole file (read in 8 MiB chunks)."""
+    """The digest of a whole file (read in 8 MiB chunks).
+
+    Example::
+
+        hash_file("checkpoints/run/global_step_100/model/__0_0.distcp")  # "xxh3-128:..."
+    """
     hasher = _new()
     with open(path, "rb", buffering=0) as f:
         buffer = bytearray(_CHUNK)
@@ -122,7 +134,13 @@ PLACEHOLDER = f"{ALGORITHM}:{'0' * 32}"
 
 def json_digest(metadata: Mapping[str, Any]) -> str:
     """The digest of a ``metadata.json`` without its own :data:`METADATA_HASH` (canonical JSON:
-    sorted keys, no blanks, so the same whatever the file's formatting)."""
+    sorted keys, no blanks, so the same whatever the file's formatting).
+
+    Example::
+
+        meta = layout.read_metadata("checkpoints/run/global_step_100")
+        assert json_digest(meta) == meta["metadata_hash"]  # the marker is as committed
+    """
     rest = {k: v for k, v in metadata.items() if k != METADATA_HASH}
     text = json.dumps(rest, sort_keys=True, separators=(",", ":"))
     hasher = _new()
@@ -196,6 +214,11 @@ def check_hashes(
     ``hashes`` is the ``hashes`` of the step's ``metadata.json``. Reads every hashed file
     whole, ``threads`` files at a time. ``skipped``: top-level directories not to read (e.g.
     ``optim`` for a load without the optimizer).
+
+    Example::
+
+        meta = layout.read_metadata(step)
+        check_hashes(step, meta["hashes"])  # [] when no byte changed
     """
     root = Path(step)
     skip = set(skipped)

@@ -7,20 +7,13 @@ the ``extra/`` files (RNG and Lightning's state: a few KB per rank) and the Hugg
 (no weights). Whether the step's files are whole is ``fsck``'s question, not this one's.
 
 Every finding is a :class:`Finding`; a blocker (``blocker=True``) says what would fail or go
-wrong, and how to fix it.
-
-Example::
-
-    from lightning_mcore_ckpt import preflight
-
-    report = preflight.inspect_step("checkpoints/run/global_step_100", {"tensor_model_parallel_size": 4})
-    for finding in report.blockers:
-        print(finding.topic, finding.message)
+wrong, and how to fix it (see :func:`inspect_step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -47,7 +40,10 @@ _MODEL_PARALLEL = SIZES[:4]
 @dataclass
 class Finding:
     """One answer: ``topic`` (``format``, ``versions``, ``layout``, ``model``, ``optimizer``,
-    ``data``, ``rng``, ``hf``), whether it blocks the load, and the message (with the fix)."""
+    ``data``, ``rng``, ``hf``), whether it blocks the load, and the message (with the fix).
+
+    Example: ``Finding("data", "no dataloader state (the loader was not stateful)")``.
+    """
 
     topic: str
     message: str
@@ -57,7 +53,10 @@ class Finding:
 @dataclass
 class ModelSpec:
     """The model a load would fill: its checkpoint keys with global shapes and dtypes, and
-    Megatron-Core's configs of its modules (checked against the target layout)."""
+    Megatron-Core's configs of its modules (checked against the target layout).
+
+    Example: ``inspect_step(step, model=ModelSpec({"gpt.scale": ((4,), "float32")}))``.
+    """
 
     keys: dict[str, tuple[tuple[int, ...], str]]
     configs: list[Any] = field(default_factory=list)
@@ -65,7 +64,13 @@ class ModelSpec:
 
 @dataclass
 class Inspection:
-    """What :func:`inspect_step` found."""
+    """What :func:`inspect_step` found.
+
+    Example::
+
+        report = inspect_step(step, {"data_parallel_size": 4})
+        print(json.dumps(report.to_json()), "loads" if not report.blockers else "blocked")
+    """
 
     step: Path
     saved_layout: dict[str, int]
@@ -92,7 +97,14 @@ def inspect_step(
     model: ModelSpec | None = None,
 ) -> Inspection:
     """Check whether ``step`` loads into the ``target`` layout (sizes by :data:`SIZES` name;
-    missing ones: as saved) and, given its :class:`ModelSpec`, into that model."""
+    missing ones: as saved) and, given its :class:`ModelSpec`, into that model.
+
+    Example::
+
+        report = inspect_step("checkpoints/run/global_step_100", {"tensor_model_parallel_size": 4})
+        for finding in report.blockers:
+            print(finding.topic, finding.message)
+    """
     path = Path(step)
     meta = layout.read_metadata(path)
     if meta is None:
@@ -375,15 +387,8 @@ def _hf(hf_dir: Path, add: Any) -> None:
 
 def _ranges(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
-    if not ranks:
-        return "none"
-    ranks = sorted(ranks)
-    spans, start, prev = [], ranks[0], ranks[0]
-    for rank in [*ranks[1:], None]:
-        if rank is None or rank != prev + 1:
-            spans.append(str(start) if start == prev else f"{start}-{prev}")
-            if rank is not None:
-                start = rank
-        if rank is not None:
-            prev = rank
-    return ", ".join(spans)
+    spans = []
+    for _, group in itertools.groupby(enumerate(sorted(ranks)), lambda p: p[1] - p[0]):
+        run = [rank for _, rank in group]
+        spans.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(spans) or "none"

@@ -110,6 +110,10 @@ def collect_shared(dirpath: str | os.PathLike[str]) -> list[Path]:
     A file is kept while a step directory points at it, or while the step that wrote it (its
     name starts with that step's directory name) still exists: a save in flight writes its new
     shared files before its index names them. Returns the deleted files.
+
+    Example::
+
+        collect_shared("checkpoints/run")  # [] when every shared file is still referenced
     """
     root = Path(dirpath)
     shared = root / SHARED_DIR

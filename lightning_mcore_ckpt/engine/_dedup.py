@@ -52,7 +52,7 @@ def _data_digest(tensor: torch.Tensor) -> str:
         data = data.cpu()
     data = data.contiguous()
     if data.numel():
-        hasher.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        hasher.update(data.reshape(-1).view(torch.uint8).numpy().data)
     return f"{integrity.ALGORITHM}:{hasher.hexdigest()}:{data.dtype}:{data.numel()}"
 
 

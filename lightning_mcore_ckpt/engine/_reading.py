@@ -112,7 +112,7 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
         return False
     size = layout.element_size()
     position = record_offset + start + layout.storage_offset() * size
-    buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    buffer = target.reshape(-1).view(torch.uint8).numpy().data
     done = 0
     while done < len(buffer):
         read = os.preadv(stream.fileno(), [buffer[done:]], position + done)

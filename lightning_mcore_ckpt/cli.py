@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import _cli_checks as _checks
+from lightning_mcore_ckpt import cli_checks as _checks
 from lightning_mcore_ckpt._version import __version__
 
 __all__ = ["build_parser", "main"]

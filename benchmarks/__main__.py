@@ -110,6 +110,11 @@ def _hf_sizes(quick: bool) -> list[tuple[int, int]]:
     return [(128, 2)] if quick else [(512, 2), (512, 8), (512, 32), (1024, 8)]
 
 
+def _moe_sizes(quick: bool) -> list[tuple[int, int, int]]:
+    """(hidden, layers, experts) of the MoE exports: experts of 4 x hidden, as the dense MLP."""
+    return [(128, 2, 4)] if quick else [(512, 2, 8), (512, 4, 8)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(HERE.parent))
     from benchmarks import dedup, workloads
@@ -214,6 +219,26 @@ def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
         figures = run_distributed(workloads.hf_export, 1, {"dir": str(root)}, timeout=3600)[0]
         figures["hidden"] = hidden
         figures["layers"] = layers
+        rows.append(figures)
+        shutil.rmtree(root, ignore_errors=True)
+    for hidden, layers, experts in _moe_sizes(quick):
+        # Saved with its experts split over 2 processes (EP=2), exported on one.
+        root = scratch / f"moe-{hidden}-{layers}-{experts}"
+        tiny_hf_model(
+            root / "src",
+            "qwen2_moe",
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_layers=layers,
+            num_heads=max(2, hidden // 64),
+            num_kv_heads=max(1, hidden // 128),
+            vocab_size=4096,
+            num_experts=experts,
+        )
+        run_distributed(workloads.moe_save, 2, {"dir": str(root)}, timeout=3600)
+        cfg = {"dir": str(root), "step": "ckpt/global_step_1"}
+        figures = run_distributed(workloads.hf_export, 1, cfg, timeout=3600)[0]
+        figures.update(hidden=hidden, layers=layers, experts=experts)
         rows.append(figures)
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -425,14 +450,19 @@ def hf_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "### Hugging Face export",
         "",
-        "| hidden | layers | model MiB | export s | largest slice MiB | peak extra RSS MiB |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| model | hidden | layers | model MiB | export s | MB/s | largest slice MiB | "
+        "a layer's experts MiB | peak extra RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        kind = f"MoE, {r['experts']} experts, EP=2" if r.get("experts") else "dense"
+        stacked = r.get("stacked_experts_bytes", 0)
+        experts = f"{stacked / MiB:.0f}" if stacked else "-"
         lines.append(
-            f"| {r['hidden']} | {r.get('layers', '-')} | {r['bytes'] / MiB:.0f} | "
-            f"{r['seconds']:.3f} | {r['largest_tensor_bytes'] / MiB:.1f} | "
-            f"{r['peak_rss_extra'] / MiB:.0f} |"
+            f"| {kind} | {r['hidden']} | {r.get('layers', '-')} | {r['bytes'] / MiB:.0f} | "
+            f"{r['seconds']:.3f} | {r['bytes'] / 1e6 / r['seconds']:.0f} | "
+            f"{r['largest_tensor_bytes'] / MiB:.1f} | "
+            f"{experts} | {r['peak_rss_extra'] / MiB:.0f} |"
         )
     return lines
 
@@ -504,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=str(HERE / ".scratch"), help="checkpoint filesystem")
     parser.add_argument("--out", default=str(HERE / "results"), help="where results go")
     parser.add_argument(
-        "--only-hf-export", action="store_true", help="only the Hugging Face export scaling"
+        "--only-hf-export",
+        action="store_true",
+        help="only the Hugging Face export scaling (dense, and MoE saved with EP=2)",
     )
     parser.add_argument(
         "--skip-hf-export", action="store_true", help="without the Hugging Face export scaling"

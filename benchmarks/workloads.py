@@ -465,28 +465,57 @@ def critical_path(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def moe_save(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """A Qwen2-MoE started from its Hugging Face weights with its experts split over ``world``
+    processes (expert parallelism), trained one step and saved as ``ckpt/global_step_1``."""
+    import lightning.pytorch as pl
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import HFGPTModule, TokenDataset
+
+    root = Path(cfg["dir"])
+    trainer = pl.Trainer(
+        strategy=MegatronStrategy(expert_model_parallel_size=world, init_from=root / "src"),
+        accelerator="cpu",
+        devices=world,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MegatronCheckpoint(root / "ckpt", every_n_train_steps=1)],
+    )
+    loader = StatefulDataLoader(TokenDataset(2 * world), batch_size=2)
+    trainer.fit(HFGPTModule(str(root / "src")), train_dataloaders=loader)
+
+
 def hf_export(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Time and peak memory of an HF export of a saved step (one process, no group)."""
     from lightning_mcore_ckpt import hf
 
     root = Path(cfg["dir"])
+    step = root / cfg.get("step", "imported")
     out = root / "exported"
     shutil.rmtree(out, ignore_errors=True)
-    seconds, extra = _timed(
-        lambda: hf.export_checkpoint(root / "imported", root / "src", out, progress=False)
-    )
-    # The largest slice the export reads at once: one layer of the largest checkpoint tensor.
+    seconds, extra = _timed(lambda: hf.export_checkpoint(step, root / "src", out, progress=False))
+    # The largest slice the export reads at once: one layer of the largest checkpoint tensor,
+    # one expert of one layer for an MoE's routed experts; and a layer's experts stacked.
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(str(root / "imported" / "model")).read_metadata()
-    largest = 0
+    metadata = FileSystemReader(str(step / "model")).read_metadata()
+    largest = stacked = 0
     for key, md in metadata.state_dict_metadata.items():
         if hasattr(md, "size"):
             shape = list(md.size)[1:] if ".layers." in key else list(md.size)
-            largest = max(largest, int(torch.tensor(shape).prod().item()) * 4)
+            nbytes = int(torch.tensor(shape).prod().item()) * 4
+            if ".experts.experts." in key:
+                stacked = max(stacked, nbytes)
+                nbytes //= shape[0]
+            largest = max(largest, nbytes)
     return {
         "seconds": seconds,
         "peak_rss_extra": extra,
         "bytes": tree_bytes(out),
         "largest_tensor_bytes": largest,
+        "stacked_experts_bytes": stacked,
     }

@@ -50,10 +50,14 @@ def tiny_hf_model(
     max_shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
 ) -> Path:
     """Write a randomly initialised Hugging Face causal LM (with tokenizer) to ``path``.
 
-    ``family`` is ``"qwen2"`` (biased QKV) or ``"llama"``. ``max_shard_size`` (e.g. ``"100KB"``)
+    ``family`` is ``"qwen2"`` (biased QKV), ``"llama"`` or ``"qwen2_moe"`` (a mixture of
+    ``num_experts`` experts of ``intermediate_size``, ``experts_per_token`` routed per token,
+    plus a gated shared expert of ``intermediate_size``). ``max_shard_size`` (e.g. ``"100KB"``)
     splits the weights into shards with an index, as large models are published. The directory
     loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline. Returns
     ``path``.
@@ -62,14 +66,33 @@ def tiny_hf_model(
 
         path = tiny_hf_model("/tmp/llama", "llama", tie_word_embeddings=True)
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
 
-    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    families = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    }
     if family not in families:
         raise ValueError(f"tiny_hf_model(family={family!r}): use one of {sorted(families)}")
     config_cls, model_cls = families[family]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    moe: dict[str, Any] = {}
+    if family == "qwen2_moe":
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=intermediate_size,
+        )
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -80,6 +103,7 @@ def tiny_hf_model(
         max_position_embeddings=TINY_SEQ_LEN * 8,
         tie_word_embeddings=tie_word_embeddings,
         dtype=dtype,
+        **moe,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

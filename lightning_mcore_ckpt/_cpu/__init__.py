@@ -24,6 +24,9 @@ computation at all. Each adaptation is the smallest that makes the stock code pa
 * **Legacy type strings.** The mixed-precision and distributed optimizers sort parameters by
   ``param.type() == "torch.cuda.FloatTensor"`` and gradient clipping asserts it: inside those
   functions, on the thread running them, a CPU tensor reports its CUDA type string.
+* **Tied embeddings across pipeline stages.** The first and last stages' copies are made equal
+  by an all-reduce of ``weight.data.cuda()``: inside that setup, on its thread, ``.cuda()`` of a
+  CPU tensor is the tensor itself.
 * **Causal mask and global memory buffer** (:mod:`._patches`) allocate on the CPU.
 * **Async staging.** Staging for an async save is ``tensor.to("cpu")``, which is no copy for a
   CPU tensor, so training could mutate what the background writer is about to write. On CPU,
@@ -134,5 +137,6 @@ def install(device_type: str | None = None) -> bool:
             _patches.patch_memory_buffer()
             _patches.patch_dist_checkpointing()
             _patches.patch_autocast()
+            _patches.patch_moe_split_sizes()
             _installed = True
     return True

@@ -32,6 +32,8 @@ _MODULES_ON_CPU = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.module",
     "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.pipeline_parallel.schedules",
@@ -112,8 +114,8 @@ class _CpuStream:
     def synchronize(self) -> None:
         return None
 
-    def record_event(self, event: Any = None) -> None:
-        return None
+    def record_event(self, event: Any = None) -> _CpuStream:
+        return self  # an "event" whose synchronize() returns at once (MoE token dispatch)
 
 
 class _TorchWithCpuCuda(types.ModuleType):
@@ -198,6 +200,12 @@ _TYPE_CHECKING_FUNCTIONS = (
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
     ("megatron.core.optimizer.clip_grads", None, "clip_grad_by_total_norm_fp32"),
     ("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
+    # Tied embeddings across pipeline stages: the copies are all-reduced after `.cuda()`.
+    (
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule",
+        "setup_embeddings_and_output_layer",
+    ),
 )
 
 _as_cuda = threading.local()
@@ -227,6 +235,15 @@ def patch_tensor_type_checks() -> None:
         return name.replace("torch.", "torch.cuda.", 1)
 
     torch.Tensor.type = tensor_type  # type: ignore[method-assign,assignment]
+    stock_cuda = torch.Tensor.cuda
+
+    @functools.wraps(stock_cuda)
+    def tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_as_cuda, "depth", 0) and self.device.type == "cpu":
+            return self  # "the device" is the CPU inside these functions
+        return stock_cuda(self, *args, **kwargs)
+
+    torch.Tensor.cuda = tensor_cuda  # type: ignore[method-assign,assignment]
     for module_name, owner_name, name in _TYPE_CHECKING_FUNCTIONS:
         module = importlib.import_module(module_name)
         owner = getattr(module, owner_name) if owner_name else module

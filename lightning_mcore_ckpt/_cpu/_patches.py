@@ -1,5 +1,5 @@
-"""Megatron-Core's global memory buffer, async staging, shard writers' results queue and
-autocast declarations, adapted to the CPU."""
+"""Megatron-Core's global memory buffer, async staging, shard writers' results queue,
+autocast declarations and MoE split sizes, adapted to the CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["patch_autocast", "patch_dist_checkpointing", "patch_memory_buffer"]
+__all__ = [
+    "patch_autocast",
+    "patch_dist_checkpointing",
+    "patch_memory_buffer",
+    "patch_moe_split_sizes",
+]
 
 # --- global memory buffer --------------------------------------------------------------------
 
@@ -96,3 +101,24 @@ def patch_autocast() -> None:
             continue  # not decorated as expected: leave it as it is
         fn.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
         fn.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))
+
+
+def patch_moe_split_sizes() -> None:
+    """MoE all-to-all token dispatch passes its split sizes to ``all_to_all_single`` as host
+    arrays, which Megatron-Core makes them only by copying CUDA tensors to the host
+    (``maybe_move_tensor_to_cpu(as_numpy=True)`` returns a CPU tensor unchanged, and a tensor
+    is no valid split-size list). On CPU the copy is made here."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(
+        tensor: Any, as_numpy: bool = False, record_stream: bool = False
+    ) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().numpy().copy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    for module in (moe_utils, token_dispatcher):
+        if hasattr(module, "maybe_move_tensor_to_cpu"):
+            module.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu

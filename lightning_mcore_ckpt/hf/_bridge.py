@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import lightning_mcore_ckpt.hf._heads as _heads
 from lightning_mcore_ckpt import _compat, _cpu
 from lightning_mcore_ckpt.hf._names import VOCAB_KEYS
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 __all__ = ["HFBridge", "has_transformer_engine", "supported_model_types"]
+
+_OUTPUT = "output_layer.weight"
 
 
 def supported_model_types() -> list[str]:
@@ -67,6 +70,7 @@ class HFBridge:
         hf_model_path: str | os.PathLike[str],
         dtype: torch.dtype | None = None,
         argument: str = "hf_model_path",
+        head: str | None = None,
     ) -> None:
         path = Path(hf_model_path).expanduser()
         if not (path / "config.json").is_file():
@@ -93,7 +97,15 @@ class HFBridge:
         from transformers import AutoConfig
 
         self.path = path
+        self.raw_config: dict[str, Any] = raw
+        self.head: str = head or _heads.head_of(raw)
+        if self.head not in _heads.HEADS:
+            raise ValueError(f"{argument}: head={head!r}; use one of {list(_heads.HEADS)}")
+        if self.head != "lm":
+            _heads.class_name(model_type, self.head)  # a clear error for a family without one
         self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        if self.head != "lm":
+            self.hf_config.num_labels = 1
         named = raw.get("torch_dtype") or raw.get("dtype")
         config_dtype = getattr(torch, named, None) if isinstance(named, str) else None
         self.config_dtype: torch.dtype = (
@@ -107,8 +119,12 @@ class HFBridge:
             for name in ("_DIRECT_MAPPING", "_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING")
             if isinstance(getattr(base, name, None), dict)
         }
-        if "_DIRECT_MAPPING" in maps and not getattr(self.hf_config, "tie_word_embeddings", False):
-            maps["_DIRECT_MAPPING"]["output_layer.weight"] = "lm_head.weight"
+        self.tied = self.head == "lm" and bool(
+            getattr(self.hf_config, "tie_word_embeddings", False)
+        )
+        if "_DIRECT_MAPPING" in maps and not self.tied:
+            output = "lm_head.weight" if self.head == "lm" else "score.weight"
+            maps["_DIRECT_MAPPING"]["output_layer.weight"] = output
         cls = type(f"_{base.__name__}", (base,), maps)
         self.bridge = cls(
             _compat.mbridge_hf_config(self.hf_config),
@@ -117,12 +133,14 @@ class HFBridge:
         )
         self.model_type: str = model_type
         self.vocab_size: int = int(self.hf_config.vocab_size)
-        self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        self._expected: dict[str, tuple[int, ...]] | None = None
 
     # names and formats
 
     def hf_names(self, mcore_name: str) -> list[str]:
         """Hugging Face names of one Megatron-Core tensor (layer-indexed, no module prefix)."""
+        if self.head != "lm" and mcore_name == _OUTPUT:
+            return ["score.weight", *(["score.bias"] if self._score_bias else [])]
         try:
             return list(self.bridge._weight_name_mapping_mcore_to_hf(mcore_name))
         except (NotImplementedError, KeyError, IndexError, ValueError) as err:
@@ -133,6 +151,9 @@ class HFBridge:
 
     def to_hf(self, mcore_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """One full (tensor-parallel merged) Megatron-Core tensor as Hugging Face tensors."""
+        if self.head != "lm" and mcore_name == _OUTPUT:
+            bias = [("score.bias", tensor.new_zeros(tensor.shape[0]))] if self._score_bias else []
+            return [("score.weight", tensor), *bias]
         if mcore_name.endswith(VOCAB_KEYS) and tensor.shape[0] > self.vocab_size:
             tensor = tensor[: self.vocab_size]  # Megatron-Core's vocabulary padding
         names, tensors = self.bridge._weight_to_hf_format(mcore_name, tensor)
@@ -144,6 +165,14 @@ class HFBridge:
         self, mcore_name: str, hf_tensors: Sequence[torch.Tensor], rows: int | None = None
     ) -> torch.Tensor:
         """Hugging Face tensors as one full Megatron-Core tensor (``rows``: padded vocabulary)."""
+        if self.head != "lm" and mcore_name == _OUTPUT:
+            weight, *bias = hf_tensors
+            if bias and not bias[0].is_meta and bool(bias[0].any()):
+                raise ValueError(
+                    f"{self.path}: score.bias is not zero; a Megatron-Core value head has no "
+                    "bias, so this model cannot be converted exactly"
+                )
+            return weight
         out = self.bridge._weight_to_mcore_format(mcore_name, list(hf_tensors))
         if rows is not None and mcore_name.endswith(VOCAB_KEYS) and rows > out.shape[0]:
             pad = out.new_zeros((rows - out.shape[0], *out.shape[1:]))
@@ -152,14 +181,32 @@ class HFBridge:
 
     def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the Hugging Face model's tensors (built on the meta device: free)."""
-        from transformers import AutoModelForCausalLM
+        if self._expected is None:
+            with torch.device("meta"):
+                model = _heads.auto_model_class(self.head).from_config(self.hf_config)
+            shapes = {k: tuple(v.shape) for k, v in _saved_state_dict(model).items()}
+            if self.tied:
+                shapes.pop("lm_head.weight", None)
+            self._expected = {
+                k: v for k, v in shapes.items() if not k.endswith("rotary_emb.inv_freq")
+            }
+        return dict(self._expected)
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config)
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if self.tied:
-            shapes.pop("lm_head.weight", None)
-        return {k: v for k, v in shapes.items() if not k.endswith("rotary_emb.inv_freq")}
+    @property
+    def _score_bias(self) -> bool:
+        return "score.bias" in self.expected_hf_shapes()
+
+    def export_config(self, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The ``config.json`` an export in ``dtype`` writes, or None where it is the source's."""
+        config = self.raw_config
+        if _heads.head_of(config) != self.head:
+            config = _heads.config_for_head(config, self.head)
+        if dtype != self.config_dtype:
+            config = dict(config)
+            name = str(dtype).removeprefix("torch.")
+            for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+                config[key] = name
+        return None if config is self.raw_config else config
 
     # the model
 
@@ -181,13 +228,23 @@ class HFBridge:
                 ),
                 context_parallel_size=parallel_state.get_context_parallel_world_size(),
                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                # mbridge's default is 1, which Megatron-Core reads as a virtual pipeline.
+                virtual_pipeline_model_parallel_size=(
+                    parallel_state.get_virtual_pipeline_model_parallel_world_size()
+                ),
             )
+        else:
+            settings["virtual_pipeline_model_parallel_size"] = None
         settings["sequence_parallel"] = settings.get("tensor_model_parallel_size", 1) > 1
         settings["pipeline_dtype"] = self.dtype
         settings["params_dtype"] = self.dtype
         settings["bf16"] = self.dtype is torch.bfloat16
         settings["fp16"] = self.dtype is torch.float16
         settings.update(_cpu.transformer_config_overrides())
+        if getattr(self.bridge.config, "num_moe_experts", None) and not has_transformer_engine():
+            settings.update(_LOCAL_MOE)
+        if self.model_type == "qwen2_moe":  # mbridge leaves out Qwen2-MoE's shared-expert gate
+            settings["moe_shared_expert_gate"] = True
         settings.update(overrides)
         config = self.bridge.config
         return dataclasses.replace(config, **settings)
@@ -215,14 +272,16 @@ class HFBridge:
             spec = get_gpt_layer_local_spec(
                 qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
                 normalization=config.normalization,
+                **_local_moe_spec_args(config),
             )
+            _moe_norm_named_as_with_te(spec, config)
         initialized = parallel_state.model_parallel_is_initialized()
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage() if initialized else True
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage() if initialized else True
         args = self.bridge._get_gptmodel_args()
-        return GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             pre_process=pre_process,
@@ -230,3 +289,50 @@ class HFBridge:
             share_embeddings_and_output_weights=self.tied,
             **args,
         )
+        if self.head != "lm":
+            # mbridge's (and verl's) value head: a replicated [1, hidden] linear, no bias.
+            from mbridge.utils.post_creation_callbacks import make_value_model
+
+            make_value_model(model, pre_process, post_process, config, self.hf_config)
+        return model
+
+
+# Mixtures of experts with Megatron-Core's local layers (no Transformer Engine: CPU).
+
+_LOCAL_MOE: dict[str, Any] = {
+    "moe_grouped_gemm": False,  # grouped GEMM needs Transformer Engine: one MLP per expert
+    "moe_shared_expert_overlap": False,  # overlaps on CUDA streams
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
+    "moe_token_dispatcher_type": "alltoall",  # all_to_all runs on gloo
+    "persist_layer_norm": False,  # Apex's kernel; local layers use torch's norm
+}
+"""``TransformerConfig`` fields of an MoE model built with local layers."""
+
+
+def _local_moe_spec_args(config: TransformerConfig) -> dict[str, Any]:
+    experts = getattr(config, "num_moe_experts", None)
+    return {"num_experts": experts, "moe_grouped_gemm": False} if experts else {}
+
+
+def _moe_norm_named_as_with_te(spec: Any, config: TransformerConfig) -> None:
+    """Save an MoE layer's pre-MLP norm as ``pre_mlp_layernorm.weight``, as Transformer Engine
+    layers do (there is no ``linear_fc1`` to fuse it into) and mbridge maps it."""
+    if not getattr(config, "num_moe_experts", None):
+        return
+    keys = dict(spec.submodules.sharded_state_dict_keys_map)
+    keys.pop("pre_mlp_layernorm.", None)
+    spec.submodules.sharded_state_dict_keys_map = keys
+
+
+def _saved_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as ``save_pretrained`` writes it: transformers 5 holds an MoE
+    layer's experts fused (``experts.gate_up_proj``) and writes them one per expert."""
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: the module holds the saved layout
+        return state
+    if not any(".experts." in k for k in state):
+        return state
+    return dict(revert_weight_conversion(model, state))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightning_mcore_ckpt.hf._bridge import HFBridge
-from lightning_mcore_ckpt.hf._names import LAYERS, VOCAB_KEYS
+from lightning_mcore_ckpt.hf._names import ADAPTER, EXPERTS, LAYERS, VOCAB_KEYS, expert_name
 from lightning_mcore_ckpt.hf._safetensors import HFReader
 
 __all__ = ["check_model_matches", "load_hf_weights"]
@@ -23,7 +23,8 @@ __all__ = ["check_model_matches", "load_hf_weights"]
 def _local_pieces(
     sharded_state_dict: dict[str, Any], prefixes: Sequence[str]
 ) -> list[tuple[str, Any, list[int]]]:
-    """``(mcore_name, sharded tensor, offsets without the layer axis)`` of a live model."""
+    """``(mcore_name, sharded tensor, offsets without the layer and expert axes)`` of a live
+    model; a routed expert's weight is named per layer and expert, as mbridge names it."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -33,7 +34,7 @@ def _local_pieces(
         if not isinstance(sh, ShardedTensor):
             continue
         prefix = next((p for p in prefixes if sh.key.startswith(p)), None)
-        if prefix is None:
+        if prefix is None or ADAPTER in sh.key:  # LoRA adapters keep their initialisation
             continue
         name = sh.key[len(prefix) :]
         offsets = list(sh.global_offset)
@@ -42,8 +43,15 @@ def _local_pieces(
             offsets = offsets[sh.prepend_axis_num :]
             if name.startswith(LAYERS):
                 name = f"{LAYERS}{layer}.{name[len(LAYERS) :]}"
+                if name.startswith(EXPERTS, len(f"{LAYERS}{layer}.")):
+                    name = expert_name(name, sh.global_offset[1])
         out.append((name, sh, offsets))
     return out
+
+
+def _value_head_from_lm(bridge: HFBridge, name: str, sh: Any) -> bool:
+    """A live one-output value head, to be filled from a language model's weights (no source)."""
+    return bool(bridge.head == "lm" and name == "output_layer.weight" and sh.global_shape[0] == 1)
 
 
 def check_model_matches(
@@ -60,7 +68,7 @@ def check_model_matches(
     problems = []
     checked: set[str] = set()
     for name, sh, _ in _local_pieces(sharded_state_dict, prefixes):
-        if name in checked:
+        if name in checked or _value_head_from_lm(bridge, name, sh):
             continue
         checked.add(name)
         want = tuple(sh.global_shape[sh.prepend_axis_num :])
@@ -101,7 +109,9 @@ def load_hf_weights(
     ``sharded_state_dict()`` returns the modules' sharded state dict; ``prefixes`` are the key
     prefixes of the GPT models in it (``"model."`` for ``self.model``). Each rank reads only the layers
     it holds and keeps its tensor-parallel part; tensors are checked against the Hugging Face
-    shapes first. Returns the number of tensors loaded.
+    shapes first. A one-output value head (``HFBridge(head="value")``) loads from a value or
+    reward model's ``score``; started from a language model, it keeps its initialisation (the
+    usual start of a critic). Returns the number of tensors loaded.
 
     Example::
 
@@ -113,6 +123,8 @@ def load_hf_weights(
     cache: dict[str, torch.Tensor] = {}
     count = 0
     for name, sh, offsets in _local_pieces(sharded_state_dict(), prefixes):
+        if _value_head_from_lm(bridge, name, sh):
+            continue  # a critic started from a language model: its value head stays as built
         if name not in cache:
             cache.clear()  # pieces of one tensor (gate/up halves) arrive one after the other
             hf_names = bridge.hf_names(name)

@@ -18,22 +18,25 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_mcore_ckpt import _safe_dcp, _safe_load
-from lightning_mcore_ckpt.hf._names import EMBEDDING, LAYERS
+from lightning_mcore_ckpt.hf._names import EMBEDDING, EXPERTS, LAYERS, expert_name
 
 __all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-    """One tensor, or one layer of a layer-stacked tensor, of a dist-checkpoint."""
+    """One tensor, one layer of a layer-stacked tensor, or one expert of one layer of an MoE
+    expert weight, of a dist-checkpoint."""
 
     key: str
     """The checkpoint key (module prefix included)."""
     layer: int | None
     """Index on the stacked layer axis, or None for an unstacked tensor."""
     shape: tuple[int, ...]
-    """Shape of the slice (without the layer axis)."""
+    """Shape of the slice (without the layer and expert axes)."""
     dtype: torch.dtype
+    expert: int | None = None
+    """Index on the expert axis (after the layer axis) of a routed expert's weight, or None."""
 
 
 class CheckpointReader:
@@ -69,7 +72,8 @@ class CheckpointReader:
         }
 
     def slices(self, prefix: str) -> list[tuple[str, Slice]]:
-        """``(mcore_name, slice)`` for every tensor under ``prefix``, one per layer if stacked."""
+        """``(mcore_name, slice)`` for every tensor under ``prefix``: one per layer if stacked,
+        one per layer and expert for routed experts (named as mbridge names them)."""
         out = []
         for key, md in self.tensors.items():
             if not key.startswith(prefix):
@@ -80,7 +84,13 @@ class CheckpointReader:
             if name.startswith(LAYERS):
                 rest = name[len(LAYERS) :]
                 for layer in range(shape[0]):
-                    out.append((f"{LAYERS}{layer}.{rest}", Slice(key, layer, shape[1:], dtype)))
+                    layer_name = f"{LAYERS}{layer}.{rest}"
+                    if not rest.startswith(EXPERTS):
+                        out.append((layer_name, Slice(key, layer, shape[1:], dtype)))
+                        continue
+                    for expert in range(shape[1]):
+                        piece = Slice(key, layer, shape[2:], dtype, expert)
+                        out.append((expert_name(layer_name, expert), piece))
             else:
                 out.append((name, Slice(key, None, shape, dtype)))
         return out
@@ -112,10 +122,9 @@ class SlicePlanner(LoadPlanner):
         items = []
         for rid, (piece, _) in self.requests.items():
             md = self.metadata.state_dict_metadata[piece.key]
-            if piece.layer is None:
-                offsets, sizes = [0] * len(piece.shape), list(piece.shape)
-            else:
-                offsets, sizes = [piece.layer] + [0] * len(piece.shape), [1, *piece.shape]
+            axes = _stacked(piece)
+            offsets = [*axes, *([0] * len(piece.shape))]
+            sizes = [*([1] * len(axes)), *piece.shape]
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             for item in create_read_items_for_chunk_list(piece.key, md, [chunk]):
                 # Requests are keyed by id: one checkpoint key may be read for several layers.
@@ -134,7 +143,7 @@ class SlicePlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         piece, dest = self.requests[read_item.dest_index.fqn]
-        view = dest if piece.layer is None else dest.unsqueeze(0)
+        view = dest.view(*([1] * len(_stacked(piece))), *dest.shape)
         for dim, (start, length) in enumerate(
             zip(read_item.dest_offsets, read_item.lengths, strict=True)
         ):
@@ -143,6 +152,11 @@ class SlicePlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         return None
+
+
+def _stacked(piece: Slice) -> list[int]:
+    """The slice's indices on the stacked axes (layer, then expert) it is read from."""
+    return [i for i in (piece.layer, piece.expert) if i is not None]
 
 
 def module_prefix(keys: Iterable[str], source: Path) -> str:

@@ -178,7 +178,9 @@ def add_schedule_grads(stashed: ScheduleGrads) -> None:
 def finalize_grads(
     model: torch.nn.Module, *, pipeline_parallel: bool, sequence_parallel: bool
 ) -> None:
-    """Average gradients over the data-parallel group; sum sequence-parallel norms over TP.
+    """Average gradients over the data-parallel group (MoE experts' over the expert
+    data-parallel group: expert-parallel ranks hold different experts); sum sequence-parallel
+    norms over TP.
 
     With Megatron-Core ``DistributedDataParallel`` chunks in ``model``, Megatron's own
     ``finalize_model_grads`` does it instead. ``sequence_parallel`` means sequence parallelism
@@ -197,8 +199,19 @@ def finalize_grads(
     grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
+    dense = [g for p, g in zip(params, grads, strict=True) if getattr(p, "allreduce", True)]
+    experts = [g for p, g in zip(params, grads, strict=True) if not getattr(p, "allreduce", True)]
     if dp_size > 1:
-        _all_reduce_flat(grads, dp_group, scale=1.0 / dp_size)
+        _all_reduce_flat(dense, dp_group, scale=1.0 / dp_size)
+    if experts:
+        # An expert's gradient already sums the tokens every expert-parallel rank routed to it:
+        # summed over its data-parallel copies and divided by the data-parallel size, it is the
+        # same mean as the dense gradients' (Megatron-Core's DDP scales them alike).
+        expert_dp = parallel_state.get_expert_data_parallel_group()
+        if dist.get_world_size(expert_dp) > 1:
+            _all_reduce_flat(experts, expert_dp)
+        if dp_size > 1:
+            torch._foreach_mul_(experts, 1.0 / dp_size)
     if pipeline_parallel:
         _all_reduce_tied_embedding_grads(megatron_modules(model))
     if sequence_parallel:
@@ -223,17 +236,25 @@ def clip_grad_by_norm(
     params = [p for p in main_params if p.grad is not None]
     grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
     counted = [
-        g
+        (p, g)
         for p, g in zip(params, grads, strict=True)
         if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p)
     ]
-    square = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else device)
-    for grad in counted:
-        square += grad.detach().float().pow(2).sum()
+    at = grads[0].device if grads else device
+    square = torch.zeros((), dtype=torch.float32, device=at)
+    expert_square = torch.zeros((), dtype=torch.float32, device=at)
+    for p, grad in counted:
+        if getattr(p, "allreduce", True):
+            square += grad.detach().float().pow(2).sum()
+        else:  # an MoE expert's: the other expert-parallel ranks hold the other experts
+            expert_square += grad.detach().float().pow(2).sum()
     model_parallel = parallel_state.get_model_parallel_group()
     if dist.get_world_size(model_parallel) > 1:
         dist.all_reduce(square, group=model_parallel)
-    total = square.sqrt()
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        dist.all_reduce(expert_square, group=group)
+    total = (square + expert_square).sqrt()
     # Same coefficient as torch.nn.utils.clip_grad_norm_.
     coefficient = torch.clamp(clip_val / (total + 1e-6), max=1.0)
     for g in grads:

@@ -68,6 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the directory to write (new or empty)")
     export.add_argument("--dtype", choices=sorted(_DTYPES), help="default: the checkpoint's dtype")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    lora = "LoRA adapters: merged (default: into the weights) or peft (the adapters alone)"
+    export.add_argument("--adapters", choices=["merged", "peft"], default="merged", help=lora)
+    export.add_argument("--lora-alpha", type=float, help="for adapters saved without their alpha")
+    up = "then check it, push it to this Hub model repository (HF_TOKEN); exit 1 if that fails"
+    export.add_argument("--upload-to", metavar="ORG/NAME", help=up)
+    private = "create the repository private (default; an existing public one is refused)"
+    export.add_argument(
+        "--private", action=argparse.BooleanOptionalAction, default=True, help=private
+    )
+    export.add_argument(
+        "--head",
+        choices=["auto", "lm", "value", "reward"],
+        default="auto",
+        help="auto (default): what the checkpoint's output layer is; value: a one-output head as "
+        "*ForTokenClassification (verl's critic); reward: as *ForSequenceClassification",
+    )
 
     imp = commands.add_parser(
         "import",
@@ -96,10 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("exported", help="the Hugging Face directory to check")
     verify.add_argument(
-        "--reference", required=True, help="a Hugging Face directory or a step directory"
+        "--reference",
+        help="a Hugging Face directory or a step directory (default: the step whose "
+        "huggingface/ EXPORTED is)",
     )
     verify.add_argument(
-        "--atol", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)"
+        "--atol",
+        type=float,
+        default=None,
+        help="largest allowed |difference| (default 0: exact; with --logits 1e-3)",
+    )
+    verify.add_argument(
+        "--logits",
+        action="store_true",
+        help="also run fixed token batches through EXPORTED (transformers) and the step's "
+        "Megatron-Core model (one CPU process) and compare their logits (values, scores)",
     )
 
     _checks.add_parsers(commands)
@@ -186,19 +213,31 @@ def _export(args: argparse.Namespace) -> int:
     from lightning_mcore_ckpt import hf
 
     try:
+        if args.upload_to is not None:  # before any work
+            hf.check_upload_options(args.upload_to, args.private, 3, 0, where="export --upload-to")
         summary = hf.export_checkpoint(
             args.step_dir,
             args.hf_model,
             args.out,
             dtype=_dtype(args.dtype),
             overwrite=args.overwrite,
+            head=args.head,
+            adapters=args.adapters,
+            lora_alpha=args.lora_alpha,
         )
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
         return _fail(err)
     print(
         f"exported {summary['tensors']} tensors ({summary['bytes'] / 1e9:.3f} GB) to "
         f"{summary['path']} in {summary['seconds']:.1f}s"
     )
+    if args.upload_to is not None:
+        try:
+            done = hf.upload_export(args.out, args.step_dir, args.upload_to, private=args.private)
+        except hf.UploadError as err:
+            print(f"lightning-mcore-ckpt: error: {err}", file=sys.stderr)
+            return 1
+        print(f"uploaded to {done.repo_id} ({done.attempts} attempt(s)): {done.commit_url}")
     return 0
 
 
@@ -222,8 +261,24 @@ def _import(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from lightning_mcore_ckpt import hf
 
+    reference = args.reference
+    if reference is None:
+        parent = Path(args.exported).expanduser().resolve().parent
+        if Path(args.exported).name != hf.HF_DIR or not (parent / "model").is_dir():
+            return _fail(
+                f"verify: --reference is needed: {args.exported} is not the {hf.HF_DIR}/ copy of "
+                "a step; pass --reference STEP_DIR (or another Hugging Face directory)"
+            )
+        reference = str(parent)
     try:
-        result = hf.verify_export(args.exported, args.reference, atol=args.atol)
+        result = hf.verify_export(args.exported, reference, atol=args.atol or 0.0)
+        logits = None
+        if args.logits:
+            from lightning_mcore_ckpt import _cpu
+
+            _cpu.install("cpu")  # the check runs on the CPU, in fp32, also on a GPU machine
+            atol = hf.LOGITS_ATOL if args.atol is None else args.atol
+            logits = hf.check_logits(args.exported, reference, atol=atol)
     except (FileNotFoundError, ValueError) as err:
         return _fail(err)
     for problem in result.problems[:20]:
@@ -235,8 +290,17 @@ def _verify(args: argparse.Namespace) -> int:
         f"compared {result.compared} tensors; largest |difference| {result.max_abs_diff:.3g}"
         f"{worst}; tolerance {result.atol:g}"
     )
-    print("OK: they match" if result.ok else "FAILED: they differ")
-    return 0 if result.ok else 1
+    ok = result.ok
+    if logits is not None:
+        what = {"lm": "logits", "value": "values", "reward": "scores"}[logits.head]
+        print(
+            f"{what}: {logits.batches} batches of {logits.tokens} tokens; largest |difference| "
+            f"{logits.max_abs_diff:.3g} (largest |{what[:-1]}| {logits.max_abs_value:.3g}); "
+            f"tolerance {logits.atol:g}"
+        )
+        ok = ok and logits.ok
+    print("OK: they match" if ok else "FAILED: they differ")
+    return 0 if ok else 1
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

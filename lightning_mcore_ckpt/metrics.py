@@ -17,6 +17,9 @@ the save (an async save's figures arrive when it is finalised, still at its own 
     ``size_bytes / write_time_s`` in GB/s (10^9 bytes per second).
 ``checkpoint/hf_export_time_s``
     how long a Hugging Face export took, when one ran.
+``checkpoint/hf_upload_time_s``, ``checkpoint/hf_upload_failed``
+    with ``HFExport(upload_to=...)``: how long a Hub upload of the step's export took (checked,
+    sent, retries included), or ``1.0`` when it failed for good; logged when it ends.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ METRIC_KEYS = (
     "size_bytes",
     "throughput_gbps",
     "hf_export_time_s",
+    "hf_upload_time_s",
+    "hf_upload_failed",
 )
 """Figures of a save, as named in ``metadata.json``; logged as ``checkpoint/<name>``."""
 

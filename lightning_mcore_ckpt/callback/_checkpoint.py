@@ -217,20 +217,20 @@ class MegatronCheckpoint(StepTriggers):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # when="end": the final step gets its one export, also when it was saved by the cadence
-        # or by an earlier run that stopped before exporting. A preempted fit is not the end.
-        export = self.hf_export is not None and self.hf_export.when == "end"
-        if not export or trainer.global_step == 0 or self.preempted:
-            return
-        from lightning_mcore_ckpt import hf
+        # when="end": the final step's one export, also when the cadence or an earlier run saved
+        # it unexported; then the Hub uploads finish. A preempted fit is not the end.
+        assert self._committer is not None
+        export = self.hf_export is not None and self.hf_export.when == "end" and not self.preempted
+        if export and trainer.global_step > 0:
+            from lightning_mcore_ckpt import hf
 
-        target = layout.step_dir(self._root, trainer.global_step)
-        wanted = layout.is_complete(target) and not hf.is_exported(target)
-        # Rank 0 exports; every rank hears how it ended (an error is raised everywhere).
-        if trainer.strategy.broadcast(wanted):
-            assert self._committer is not None
-            self._committer.export_committed(target)
-            self._committer.process(wait=True)
+            target = layout.step_dir(self._root, trainer.global_step)
+            wanted = layout.is_complete(target) and not hf.is_exported(target)
+            # Rank 0 exports; every rank hears how it ended (an error is raised everywhere).
+            if trainer.strategy.broadcast(wanted):
+                self._committer.export_committed(target)
+                self._committer.process(wait=True)
+        self._committer.finish_uploads(wait=not self.preempted)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

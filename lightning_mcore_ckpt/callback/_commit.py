@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import layout, retention
-from lightning_mcore_ckpt.callback._export import export_into_committed
+from lightning_mcore_ckpt.callback._export import export_into_committed, make_uploader
 from lightning_mcore_ckpt.callback._intent import Intent, step_metadata
 from lightning_mcore_ckpt.engine import (
     CheckpointSaveError,
@@ -91,6 +91,7 @@ class Committer:
         self._commits: list[tuple[Path, Future[dict[str, Any]], bool]] = []
         # Every rank: the commits and exports whose outcome is not known yet (the same list).
         self._awaiting: list[Path] = []
+        self._uploader = make_uploader(hf_export) if is_global_zero else None  # Hub, rank 0
 
     # --- writing a step (every rank) -------------------------------------------------------
 
@@ -227,6 +228,8 @@ class Committer:
         if not collective:
             self._drain()
             return
+        for row in self._uploader.take_outcomes() if self._uploader is not None else ():
+            self._on_committed(row)  # rank 0: a Hub upload's figures
         while True:
             outcomes = self._finished(wait) if self.is_global_zero else []
             if self._awaiting:
@@ -301,7 +304,20 @@ class Committer:
         )
         self._submit(self.root, self._retain, ready, self._keep(), sorted(replaced), awaited=False)
 
+    def finish_uploads(self, wait: bool) -> None:
+        """End of ``fit``, collective with ``HFExport(upload_to=...)``: wait for the Hub uploads
+        (``upload_timeout_s``); each failure goes to ``on_failed`` on every rank (steps stay)."""
+        if not wait or self.hf_export is None or self.hf_export.upload_to is None:
+            return  # preempted (not wait): an unfinished upload is logged at close
+        timeout = self.hf_export.upload_timeout_s
+        found = self._uploader.finish(timeout) if self._uploader is not None else []
+        self.process(wait=False)  # rank 0 logs the uploads' figures
+        for target, error in self._share(found):
+            self._on_failed(Path(target), CheckpointSaveError(error))
+
     def close(self) -> None:
+        if self._uploader is not None:
+            self._uploader.close()  # logs an upload left unfinished
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -357,8 +373,9 @@ class Committer:
                 if stale.step < newest and layout.is_managed(stale.path):
                     log.info("removing incomplete %s (a newer step is committed)", stale.path)
                     retention.remove_step(stale.path)
+            protect = {newest, *(self._uploader.steps() if self._uploader else ())}  # uploading
             doomed = retention.retention_plan(
-                complete, max_to_keep=self.max_to_keep, remove=removals, keep=keep, protect={newest}
+                complete, max_to_keep=self.max_to_keep, remove=removals, keep=keep, protect=protect
             )
             for old in doomed:
                 log.info("retention: removing %s", old.path)
@@ -375,4 +392,7 @@ class Committer:
     def _export_into_committed(self, target: Path) -> dict[str, Any]:
         assert self.hf_export is not None
         self._check_lock()
-        return export_into_committed(self.hf_export, target)
+        figures = export_into_committed(self.hf_export, target)
+        if figures and self._uploader is not None:
+            self._uploader.submit(target)  # in the background: the export is committed
+        return figures

@@ -20,6 +20,7 @@ and ``.cuda()``).
 The modules, each importing only those above it:
 
 - ``_names``: the Megatron-Core tensor names the conversion relies on;
+- ``_heads``: output heads (language model, value, reward) in both formats;
 - ``_bridge``: :class:`HFBridge`, :func:`supported_model_types`;
 - ``_reader``: a dist-checkpoint read slice by slice, without a process group;
 - ``_safetensors``: the streaming safetensors writer, the index, the readers;
@@ -27,7 +28,8 @@ The modules, each importing only those above it:
 - ``_export``: :class:`HFExport`, :func:`export_checkpoint`, :func:`is_exported`;
 - ``_load``: :func:`check_model_matches`, :func:`load_hf_weights`;
 - ``_import``: :func:`import_checkpoint`;
-- ``_verify``: :func:`verify_export`.
+- ``_verify``: :func:`verify_export`;
+- ``_upload``: :func:`upload_export`, :class:`HubUploader` (the Hub, after a verified export).
 """
 
 from __future__ import annotations
@@ -36,21 +38,37 @@ from lightning_mcore_ckpt.hf._bridge import HFBridge, supported_model_types
 from lightning_mcore_ckpt.hf._export import HF_DIR, WHEN, HFExport, export_checkpoint, is_exported
 from lightning_mcore_ckpt.hf._import import import_checkpoint
 from lightning_mcore_ckpt.hf._load import check_model_matches, load_hf_weights
+from lightning_mcore_ckpt.hf._logits import LOGITS_ATOL, LogitsResult, check_logits
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES
+from lightning_mcore_ckpt.hf._upload import (
+    HubUploader,
+    UploadError,
+    UploadResult,
+    check_upload_options,
+    upload_export,
+)
 from lightning_mcore_ckpt.hf._verify import VerifyResult, verify_export
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "HF_DIR",
+    "LOGITS_ATOL",
     "WHEN",
     "HFBridge",
     "HFExport",
+    "HubUploader",
+    "LogitsResult",
+    "UploadError",
+    "UploadResult",
     "VerifyResult",
+    "check_logits",
     "check_model_matches",
+    "check_upload_options",
     "export_checkpoint",
     "import_checkpoint",
     "is_exported",
     "load_hf_weights",
     "supported_model_types",
+    "upload_export",
     "verify_export",
 ]

@@ -9,7 +9,6 @@ all. :class:`HFExport` is the callback's setting for when to export.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -21,11 +20,14 @@ from typing import Any, Literal
 
 import torch
 
+import lightning_mcore_ckpt.hf._adapters as _adapters
+import lightning_mcore_ckpt.hf._heads as _heads
 from lightning_mcore_ckpt import _atomic, layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, ExportPlan, plan_export
-from lightning_mcore_ckpt.hf._reader import CheckpointReader
+from lightning_mcore_ckpt.hf._reader import CheckpointReader, module_prefix
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SafetensorsWriter, write_index
+from lightning_mcore_ckpt.hf._upload import check_upload_options
 
 __all__ = ["HF_DIR", "WHEN", "HFExport", "export_checkpoint", "is_exported"]
 
@@ -51,6 +53,21 @@ class HFExport:
             exported that step does not again). ``"every_save"``: into every step.
             ``"never"``: only steps whose ``save_contents`` include ``"hf_model"``.
         dtype: dtype of the exported weights (default: the checkpoint's).
+        head: ``"auto"`` (the checkpoint's output layer decides), ``"lm"``, ``"value"``
+            (``*ForTokenClassification``, verl's critic layout) or ``"reward"``
+            (``*ForSequenceClassification``): see :func:`export_checkpoint`.
+        check_logits: after each export, run fixed token batches through it and through the
+            step's Megatron-Core model (a CPU subprocess, fp32: :func:`check_logits`); an
+            export whose logits differ by more than 1e-3 is removed and reported failed.
+        upload_to: a Hub model repository, ``"org/name"``: each export is checked against its
+            step, then pushed there in the background (rank 0) as one commit naming the step;
+            training never waits for it (see ``docs/hf-hub.md``). ``None``: no upload.
+        private: create the repository private (an existing public one is refused).
+        upload_attempts: attempts per upload (with backoff) before it is reported failed.
+        upload_timeout_s: how long the end of ``fit`` waits for an upload in flight.
+        adapters: for a model with LoRA adapters (:func:`~lightning_mcore_ckpt.add_lora`):
+            ``"merged"`` (the adapters added into the weights: a plain model) or ``"peft"``
+            (the adapters alone, PEFT's layout); see :func:`export_checkpoint`.
 
     Example::
 
@@ -64,8 +81,24 @@ class HFExport:
     hf_model_path: str | os.PathLike[str]
     when: Literal["end", "every_save", "never"] = "end"
     dtype: torch.dtype | None = None
+    head: Literal["auto", "lm", "value", "reward"] = "auto"
+    check_logits: bool = False
+    upload_to: str | None = None
+    private: bool = True
+    upload_attempts: int = 3
+    upload_timeout_s: float = 3600.0
+    adapters: Literal["merged", "peft"] = "merged"
 
     def __post_init__(self) -> None:
+        _adapters.check_adapters_args(self.adapters, None, "HFExport")
+        if self.head not in _heads.HEAD_ARG_CHOICES:
+            raise ValueError(
+                f"HFExport(head={self.head!r}): use one of {list(_heads.HEAD_ARG_CHOICES)} "
+                "('auto': what the checkpoint's output layer is)"
+            )
+        if self.upload_to is not None:
+            args = (self.upload_to, self.private, self.upload_attempts, self.upload_timeout_s)
+            check_upload_options(*args, where="HFExport")
         if self.when not in WHEN:
             raise ValueError(
                 f"HFExport(when={self.when!r}): use one of {list(WHEN)} ('end': one export when "
@@ -101,7 +134,8 @@ def refuse_replacing_inputs(target: Path, what: str, **inputs: Path) -> None:
 
 def is_exported(step: str | os.PathLike[str]) -> bool:
     """Whether a step directory holds a finished Hugging Face export (it is renamed into place)."""
-    return (Path(step) / HF_DIR / "config.json").is_file()
+    hf_dir = Path(step) / HF_DIR
+    return (hf_dir / "config.json").is_file() or (hf_dir / "adapter_config.json").is_file()
 
 
 def export_checkpoint(
@@ -114,6 +148,9 @@ def export_checkpoint(
     require_complete: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool | None = None,
+    head: str = "auto",
+    adapters: str = "merged",
+    lora_alpha: float | None = None,
 ) -> dict[str, Any]:
     """Write the weights of a saved step as a Hugging Face model directory ``out``.
 
@@ -126,10 +163,21 @@ def export_checkpoint(
     (or ``overwrite``), the model family is supported and the checkpoint's shapes match the
     Hugging Face config. Returns a summary (tensors, bytes, seconds).
 
+    ``head``: ``"auto"`` writes what the checkpoint's output layer is: a causal LM, or for a
+    one-output value head the family's ``*ForTokenClassification`` (``"value"``, verl's critic
+    layout) unless ``hf_model_path`` is a ``*ForSequenceClassification`` (``"reward"``); pass
+    ``"value"`` or ``"reward"`` to choose (see :mod:`lightning_mcore_ckpt.hf._heads`).
+
+    ``adapters`` (a checkpoint with LoRA adapters): ``"merged"`` writes the weights with
+    ``alpha / rank * B @ A`` added; ``"peft"`` writes only ``adapter_config.json`` and
+    ``adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained`` on ``hf_model_path``.
+    ``lora_alpha``: for adapters saved without their alpha (see ``docs/hf-lora.md``).
+
     Example::
 
         export_checkpoint("checkpoints/sft/global_step_3000", "Qwen2.5-0.5B", "qwen-sft")
     """
+    _adapters.check_adapters_args(adapters, lora_alpha, "export")
     start = time.perf_counter()
     step_path = Path(step).expanduser()
     target = Path(out).expanduser()
@@ -150,17 +198,29 @@ def export_checkpoint(
             f"export: --out {target} exists and is not empty; choose a new directory or pass "
             "--overwrite (overwrite=True) to replace it"
         )
+    reader = _adapters.open_adapters(CheckpointReader(model_dir), step_path, adapters, lora_alpha)
     bridge = HFBridge(hf_model_path, argument="--hf-model")
-    reader = CheckpointReader(model_dir)
+    chosen = _heads.resolve(head, bridge.head, output_rows(reader, step_path), "head")
+    if chosen != bridge.head:
+        bridge = HFBridge(hf_model_path, argument="--hf-model", head=chosen)
     plan = plan_export(bridge, reader, step_path, max_shard_bytes, dtype)
     out_dtype = dtype or next(iter(plan.sources.values()))[1].dtype
     # An existing `out` is empty or `overwrite` was given (checked above): replace it.
     with _atomic.staged_directory(target, replace=True) as partial:
-        summary = _write_export(bridge, reader, plan, partial, out_dtype, progress)
-        _copy_side_files(bridge.path, partial, bridge, out_dtype)
+        if adapters == "peft":
+            summary = _adapters.write_peft_adapter(bridge, reader, partial, dtype, str(bridge.path))
+        else:
+            summary = _write_export(bridge, reader, plan, partial, out_dtype, progress)
+            _copy_side_files(bridge.path, partial, bridge, out_dtype)
     summary["seconds"] = time.perf_counter() - start
     summary["path"] = str(target)
     return summary
+
+
+def output_rows(reader: CheckpointReader, step: Path) -> int | None:
+    """Rows of the checkpoint's output layer (1: a value head), None when it has none (tied)."""
+    md = reader.tensors.get(f"{module_prefix(reader.tensors, step)}output_layer.weight")
+    return None if md is None else int(md.size[0])
 
 
 def _copy_side_files(hf_dir: Path, out: Path, bridge: HFBridge, dtype: torch.dtype) -> None:
@@ -171,13 +231,10 @@ def _copy_side_files(hf_dir: Path, out: Path, bridge: HFBridge, dtype: torch.dty
         if entry.name.endswith(_WEIGHT_SUFFIXES) or entry.name.startswith("."):
             continue
         shutil.copy2(entry, out / entry.name)
-    if dtype == bridge.config_dtype:
+    config = bridge.export_config(dtype)
+    if config is None:
         shutil.copy2(hf_dir / "config.json", out / "config.json")
     else:
-        config = json.loads((hf_dir / "config.json").read_text())
-        name = str(dtype).removeprefix("torch.")
-        for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
-            config[key] = name
         _atomic.write_json(out / "config.json", config)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.hf._adapters import open_adapters
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, plan_export
 from lightning_mcore_ckpt.hf._reader import CheckpointReader
@@ -72,7 +73,8 @@ def verify_export(
     names = {n for ns in files.values() for n in ns}
     if (ref / layout.MODEL_DIR).is_dir():
         bridge = HFBridge(out_dir, argument="verify")
-        reader = CheckpointReader(ref / layout.MODEL_DIR)
+        # A step with LoRA adapters is compared as its merged export (the default export).
+        reader = open_adapters(CheckpointReader(ref / layout.MODEL_DIR), ref, "merged", None)
         plan = plan_export(bridge, reader, ref, DEFAULT_MAX_SHARD_BYTES, None)
         ref_names = set(plan.sources)
 

@@ -12,14 +12,18 @@ import lightning_mcore_ckpt
 HF = Path(lightning_mcore_ckpt.__file__).parent / "hf"
 ORDER = [
     "_names",
+    "_heads",
     "_bridge",
     "_reader",
     "_safetensors",
     "_plan",
+    "_adapters",
+    "_verify",
+    "_upload",
     "_export",
     "_load",
     "_import",
-    "_verify",
+    "_logits",
 ]
 """Each module may import only modules before it."""
 ALLOWED = {
@@ -29,6 +33,8 @@ ALLOWED = {
     "lightning_mcore_ckpt._parallel",
     "lightning_mcore_ckpt._safe_dcp",
     "lightning_mcore_ckpt._safe_load",
+    "lightning_mcore_ckpt.adapters",
+    "lightning_mcore_ckpt.integrity",
     "lightning_mcore_ckpt.layout",
 }
 PUBLIC = [
@@ -37,13 +43,21 @@ PUBLIC = [
     "WHEN",
     "HFBridge",
     "HFExport",
+    "HubUploader",
+    "LOGITS_ATOL",
+    "LogitsResult",
+    "UploadError",
+    "UploadResult",
     "VerifyResult",
+    "check_logits",
     "check_model_matches",
+    "check_upload_options",
     "export_checkpoint",
     "import_checkpoint",
     "is_exported",
     "load_hf_weights",
     "supported_model_types",
+    "upload_export",
     "verify_export",
 ]
 

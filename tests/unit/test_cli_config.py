@@ -44,3 +44,44 @@ def test_strategy_and_callback_with_a_nested_hf_export_come_from_yaml(tmp_path: 
     assert built.strategy.init_from == src
     assert built.callback.on_save_error == "warn"
     assert built.callback.hf_export == HFExport(str(src), when="end", dtype=torch.bfloat16)
+
+
+def test_every_export_kind_is_a_field_of_hf_export_in_yaml(tmp_path: Path) -> None:
+    from jsonargparse import ArgumentParser
+
+    from lightning_mcore_ckpt import HFExport, MegatronCheckpoint
+    from lightning_mcore_ckpt.tiny import tiny_hf_model
+
+    src = tiny_hf_model(tmp_path / "src")
+    config = yaml.safe_load(
+        f"""
+        callback:
+          class_path: lightning_mcore_ckpt.MegatronCheckpoint
+          init_args:
+            dirpath: {tmp_path / "ckpt"}
+            hf_export:
+              hf_model_path: {src}
+              head: value
+              check_logits: true
+              adapters: peft
+              upload_to: org/critic
+              private: true
+        """
+    )
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=MegatronCheckpoint)
+    built = parser.instantiate_classes(parser.parse_object(config))
+    assert built.callback.hf_export == HFExport(
+        str(src), head="value", check_logits=True, adapters="peft", upload_to="org/critic"
+    )
+    bad = yaml.safe_load(
+        f"callback: {{init_args: {{hf_export: {{hf_model_path: {src}, head: critic}}}}}}"
+    )
+    bad["callback"]["class_path"] = "lightning_mcore_ckpt.MegatronCheckpoint"
+    bad["callback"]["init_args"]["dirpath"] = str(tmp_path / "ckpt")
+    import pytest
+
+    strict = ArgumentParser(exit_on_error=False)
+    strict.add_argument("--callback", type=MegatronCheckpoint)
+    with pytest.raises(Exception, match="'auto', 'lm', 'value', 'reward'"):  # before any run
+        strict.parse_object(bad)

@@ -63,7 +63,7 @@ class _Entry:
     result: Any
     """Its write result (index, size, storage: the ``../../shared/...`` path and offset)."""
     data: str
-    """The digest of its bytes in memory (with dtype and shape)."""
+    """The digest of its bytes in memory (with its dtype and element count)."""
     file: str
     """Its file, relative to a step (``../shared/<name>``)."""
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_mcore_ckpt import _compat, _safe_load, retention
+from lightning_mcore_ckpt import _compat, _safe_load, integrity, retention
 from lightning_mcore_ckpt.engine import _collectives
 from lightning_mcore_ckpt.engine._agreeing import save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
@@ -245,10 +245,10 @@ class CheckpointWriter:
 
     def _failed(self, path: Path, failure: CheckpointSaveError, options: SaveOptions) -> None:
         self.shards.forget()
-        handled = False
+        integrity.take(path)  # the failed save's digests: no commit will take them
+        handled = options.on_error is not None
         if options.on_error is not None:
             options.on_error(failure)
-            handled = True
         for listener in self._owners(path):
             listener.failed(path, failure)
             handled = True

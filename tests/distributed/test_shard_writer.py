@@ -146,11 +146,14 @@ def _failure_in_the_middle(rank: int, world_size: int, root: str) -> dict[str, A
     trainer = make_trainer(STEPS, strategy, world_size, callbacks=[SaveEveryStep()])
     trainer.fit(TinyGPTModule(), train_dataloaders=loader(32, 2))
     steps = sorted(s.path.name for s in layout.complete_steps(Path(root)))
+    from lightning_mcore_ckpt import integrity
+
     return {
         "errors": errors,
         "finalized": finalized,
         "committed": steps,
         "threads": threads,
+        "digests_left": integrity.take(f"{root}/global_step_{FAILS_AT}"),
     }
 
 
@@ -169,5 +172,6 @@ def test_a_failed_background_write_is_reported_at_its_save_and_the_writer_goes_o
             f"global_step_{s}" for s in range(1, STEPS + 1) if s != FAILS_AT
         ], out
         assert out["threads"] == {1}, out
+        assert out["digests_left"] == {}, out  # the failed save's digests were dropped
     # Nothing of the failed step is marked complete.
     assert not (tmp_path / f"global_step_{FAILS_AT}" / "metadata.json").exists()

@@ -251,9 +251,12 @@ def clip_grad_by_norm(
     model_parallel = parallel_state.get_model_parallel_group()
     if dist.get_world_size(model_parallel) > 1:
         dist.all_reduce(square, group=model_parallel)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
-        dist.all_reduce(expert_square, group=group)
+    # Experts are split over expert, expert-tensor and pipeline parallelism (at EP=1 that is
+    # the model-parallel group's tensor and pipeline parts).
+    # Every rank of the group takes part (zero without experts): pipeline stages agree.
+    expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+    if dist.get_world_size(expert_group) > 1:
+        dist.all_reduce(expert_square, group=expert_group)
     total = (square + expert_square).sqrt()
     # Same coefficient as torch.nn.utils.clip_grad_norm_.
     coefficient = torch.clamp(clip_val / (total + 1e-6), max=1.0)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cli import run_cli
 
 from lightning_mcore_ckpt.cli import main as cli_main
 from lightning_mcore_ckpt.testing import run_distributed
@@ -56,14 +57,14 @@ def test_import_then_export_gives_back_the_same_files(
     assert json.loads((step / "metadata.json").read_text())["contents"] == ["model"]
 
     out = tmp_path / "exported"
-    done = _cli("export", str(step), "--hf-model", str(src), "--out", str(out))
+    done = run_cli("export", str(step), "--hf-model", str(src), "--out", str(out))
     assert done.returncode == 0, done.stderr
     # Train 0 steps: every file is byte-identical to the source, weights and index included.
     assert _files(out) == _files(src)
     if "sharded" in family:
         assert len(list(out.glob("*.safetensors"))) > 1
 
-    done = _cli("verify", str(out), "--reference", str(src))
+    done = run_cli("verify", str(out), "--reference", str(src))
     assert done.returncode == 0, done.stdout
     assert "OK: they match" in done.stdout
 
@@ -192,7 +193,7 @@ def test_train_from_hf_at_tp2_export_once_and_match_logits(tmp_path: Path, famil
     # The same weights loaded at TP=1 and exported there give the same files.
     run_distributed(_export_at_tp1, 1, str(tmp_path), timeout=200)
     assert _files(tmp_path / "tp1_hf") == _files(exported)
-    done = _cli("verify", str(exported), "--reference", str(ckpt / "global_step_3"))
+    done = run_cli("verify", str(exported), "--reference", str(ckpt / "global_step_3"))
     assert done.returncode == 0, done.stdout
 
 

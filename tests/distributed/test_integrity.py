@@ -181,9 +181,13 @@ def test_fsck_command_exit_codes_and_steps_written_before_hashes(
     exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
 
     def fsck_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(exe), "fsck", *args], capture_output=True, text=True)
+        from _cli import run_cli  # in this process; the installed command is run once below
 
-    ok = fsck_cli(str(saved_run), "--deep")
+        return run_cli("fsck", *args)
+
+    ok = subprocess.run(
+        [str(exe), "fsck", str(saved_run), "--deep"], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "global_step_4  OK" in ok.stdout and "re-hashed" in ok.stdout
     # A step written before hashes were kept: sizes and structure, and it says so.

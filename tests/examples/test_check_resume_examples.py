@@ -58,11 +58,14 @@ def test_bad_usage_exits_2_with_the_reason(tmp_path: Path) -> None:
     config = str(ROOT / "examples" / "config.yaml")
     done = _cli(tmp_path, "--config", config, "--stop-at", "8")
     assert done.returncode == 2 and "stop_at must be before max_steps" in done.stderr
-    done = _cli(tmp_path, "--config", str(tmp_path / "missing.yaml"), "--stop-at", "2")
+    # The same checks in this process (the command above proved the installed entry point).
+    from _cli import run_cli
+
+    done = run_cli("check-resume", "--config", str(tmp_path / "missing.yaml"), "--stop-at", "2")
     assert done.returncode == 2 and "no such file" in done.stderr
     old_style = tmp_path / "old.yaml"
     old_style.write_text("trainer: {devices: 1, max_steps: 4}\nmodel: {lr: 0.1}\n")
-    done = _cli(tmp_path, "--config", str(old_style), "--stop-at", "2")
+    done = run_cli("check-resume", "--config", str(old_style), "--stop-at", "2")
     assert done.returncode == 2 and "class_path" in done.stderr
 
 

@@ -105,6 +105,18 @@ def _mean_limit(limits: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _hf_shape(hidden: int, layers: int) -> dict[str, int]:
+    """The exported models' shapes: 4x MLP, 64-wide heads, 2 query heads per KV head."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_layers=layers,
+        num_heads=max(2, hidden // 64),
+        num_kv_heads=max(1, hidden // 128),
+        vocab_size=4096,
+    )
+
+
 def _hf_sizes(quick: bool) -> list[tuple[int, int]]:
     """(hidden, layers): depth grows at a fixed width, then width grows."""
     return [(128, 2)] if quick else [(512, 2), (512, 8), (512, 32), (1024, 8)]
@@ -205,16 +217,7 @@ def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
     rows = []
     for hidden, layers in _hf_sizes(quick):
         root = scratch / f"hf-{hidden}-{layers}"
-        tiny_hf_model(
-            root / "src",
-            "qwen2",
-            hidden_size=hidden,
-            intermediate_size=4 * hidden,
-            num_layers=layers,
-            num_heads=max(2, hidden // 64),
-            num_kv_heads=max(1, hidden // 128),
-            vocab_size=4096,
-        )
+        tiny_hf_model(root / "src", "qwen2", **_hf_shape(hidden, layers))
         hf.import_checkpoint(root / "src", root / "imported")
         figures = run_distributed(workloads.hf_export, 1, {"dir": str(root)}, timeout=3600)[0]
         figures["hidden"] = hidden
@@ -224,17 +227,7 @@ def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
     for hidden, layers, experts in _moe_sizes(quick):
         # Saved with its experts split over 2 processes (EP=2), exported on one.
         root = scratch / f"moe-{hidden}-{layers}-{experts}"
-        tiny_hf_model(
-            root / "src",
-            "qwen2_moe",
-            hidden_size=hidden,
-            intermediate_size=4 * hidden,
-            num_layers=layers,
-            num_heads=max(2, hidden // 64),
-            num_kv_heads=max(1, hidden // 128),
-            vocab_size=4096,
-            num_experts=experts,
-        )
+        tiny_hf_model(root / "src", "qwen2_moe", num_experts=experts, **_hf_shape(hidden, layers))
         run_distributed(workloads.moe_save, 2, {"dir": str(root)}, timeout=3600)
         cfg = {"dir": str(root), "step": "ckpt/global_step_1"}
         figures = run_distributed(workloads.hf_export, 1, cfg, timeout=3600)[0]

@@ -10,6 +10,13 @@ import sys
 from pathlib import Path
 
 
+def installed_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``lightning-mcore-ckpt ARGS`` as the installed command, in a process of its own."""
+    exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=240)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``lightning-mcore-ckpt ARGS`` through ``cli.main``: exit code, stdout and stderr.
 
@@ -19,9 +26,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     import torch
 
     if "--logits" in args and torch.cuda.is_available():
-        exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env)
+        return installed_cli(*args)
     from lightning_mcore_ckpt.cli import main
 
     out, err = io.StringIO(), io.StringIO()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,3 +80,19 @@ def resume_and_continue(
     seen["losses"] = module.step_losses
     seen["end_step"] = trainer.global_step
     return seen
+
+
+def resave_on_this_layout_and_export(tmp: str, step: str, name: str) -> None:
+    """Load ``tmp/step`` (an ``HFGPTModule`` run of ``tmp/src``) on this process group's layout,
+    save its model as ``tmp/name`` and export that to ``tmp/name_hf``."""
+    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions, hf
+    from lightning_mcore_ckpt.tiny import HFGPTModule
+
+    src = str(Path(tmp, "src"))
+    trainer = make_trainer(3, MegatronStrategy(), 1)
+    trainer.validate(
+        HFGPTModule(src), dataloaders=loader(4, 2), ckpt_path=str(Path(tmp, step)), verbose=False
+    )
+    out = Path(tmp, name)
+    trainer.save_checkpoint(out, storage_options=SaveOptions(contents=["model"]))
+    hf.export_checkpoint(out, src, Path(tmp, f"{name}_hf"), require_complete=False)

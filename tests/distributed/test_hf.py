@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cli import run_cli
+from _cli import installed_cli, run_cli
 
 from lightning_mcore_ckpt.cli import main as cli_main
 from lightning_mcore_ckpt.testing import run_distributed
@@ -28,17 +28,6 @@ LOGITS_ATOL = 1e-4
 """fp32 Megatron-Core (local layers, TP=2) against fp32 transformers on the same weights."""
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
-    return subprocess.run(
-        [str(exe), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=240,
-    )
-
-
 def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
@@ -51,7 +40,7 @@ def test_import_then_export_gives_back_the_same_files(
 
     src = tiny_hf_model(tmp_path / "src", **FAMILIES[family])
     step = tmp_path / "imported"
-    done = _cli("import", str(src), "--out", str(step))
+    done = installed_cli("import", str(src), "--out", str(step))
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in step.iterdir()) == ["metadata.json", "model"]
     assert json.loads((step / "metadata.json").read_text())["contents"] == ["model"]
@@ -135,22 +124,9 @@ def _hf_logits(path: Path, probe: torch.Tensor) -> torch.Tensor:
 
 
 def _export_at_tp1(rank: int, world_size: int, tmp: str) -> None:
-    from _trainer import loader, make_trainer
+    from _trainer import resave_on_this_layout_and_export
 
-    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions, hf
-    from lightning_mcore_ckpt.tiny import HFGPTModule
-
-    src = str(Path(tmp, "src"))
-    trainer = make_trainer(3, MegatronStrategy(), world_size)
-    trainer.validate(
-        HFGPTModule(src),
-        dataloaders=loader(4, 2),
-        ckpt_path=str(Path(tmp, "ckpt", "global_step_3")),
-        verbose=False,
-    )
-    tp1 = Path(tmp, "tp1")
-    trainer.save_checkpoint(tp1, storage_options=SaveOptions(contents=["model"]))
-    hf.export_checkpoint(tp1, src, Path(tmp, "tp1_hf"), require_complete=False)
+    resave_on_this_layout_and_export(tmp, "ckpt/global_step_3", "tp1")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -11,15 +11,12 @@ passes on every export here, fails on a wrong mapping that tensor-wise verificat
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _cli import run_cli
+from _cli import installed_cli, run_cli
 
 from lightning_mcore_ckpt.testing import run_distributed
 
@@ -30,38 +27,42 @@ ATOL = 1e-4
 LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
-    return subprocess.run(
-        [str(exe), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=240,
-    )
+def _gate_and_up_swapped(to_hf: Any) -> Any:
+    """``HFBridge.to_hf`` with a wrong mapping: the MLP's gate and up projections swapped."""
+
+    def swapped(self: Any, name: str, tensor: torch.Tensor) -> Any:
+        out = to_hf(self, name, tensor)
+        if name.endswith("linear_fc1.weight"):
+            (gate, g), (up, u) = out
+            return [(gate, u), (up, g)]
+        return out
+
+    return swapped
 
 
-def _train_critic(rank: int, world_size: int, tmp: str, layout: str) -> dict[str, Any]:
-    from _trainer import loader, make_trainer
-    from _value_models import HFValueModule
+def _checked_export_trainer(tmp: str, world_size: int, **layout: Any) -> Any:
+    """3 steps from ``tmp/src``'s weights, saved at step 3 and exported with the logits check."""
+    from _trainer import make_trainer
 
     from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
 
     src = str(Path(tmp, "src"))
-    trainer = make_trainer(
+    export = HFExport(src, when="end", check_logits=True)
+    return make_trainer(
         3,
-        MegatronStrategy(init_from=src, **LAYOUTS[layout]),
+        MegatronStrategy(init_from=src, **layout),
         world_size,
-        callbacks=[
-            MegatronCheckpoint(
-                Path(tmp, "ckpt"),
-                every_n_train_steps=3,
-                hf_export=HFExport(src, when="end", check_logits=True),
-            )
-        ],
+        callbacks=[MegatronCheckpoint(Path(tmp, "ckpt"), every_n_train_steps=3, hf_export=export)],
         enable_checkpointing=True,
     )
-    module = HFValueModule(src, lr=1e-2)
+
+
+def _train_critic(rank: int, world_size: int, tmp: str, layout: str) -> dict[str, Any]:
+    from _trainer import loader
+    from _value_models import HFValueModule
+
+    trainer = _checked_export_trainer(tmp, world_size, **LAYOUTS[layout])
+    module = HFValueModule(str(Path(tmp, "src")), lr=1e-2)
     probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
     trainer.fit(module, train_dataloaders=loader(16, 2))
     out: dict[str, Any] = {"probe": probe, "losses": [float(x) for x in module.step_losses]}
@@ -113,7 +114,7 @@ def test_a_critic_exports_as_value_and_reward_models_that_compute_what_it_comput
 
     # The same step as a reward model: the score is the last token's value.
     reward_dir = tmp_path / "reward"
-    done = _cli(
+    done = installed_cli(
         "export", str(step), "--hf-model", str(src), "--out", str(reward_dir), "--head", "reward"
     )
     assert done.returncode == 0, done.stderr
@@ -148,38 +149,15 @@ def test_a_critic_exports_as_value_and_reward_models_that_compute_what_it_comput
 
 
 def _train_tied_pp2(rank: int, world_size: int, tmp: str, broken: bool) -> dict[str, Any]:
-    from _trainer import loader, make_trainer
+    from _trainer import loader
 
-    from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
     from lightning_mcore_ckpt.hf import HFBridge
     from lightning_mcore_ckpt.tiny import HFGPTModule
 
     if broken:  # this rank's export swaps gate and up: the logits check (a subprocess) sees it
-        original = HFBridge.to_hf
-
-        def swapped(self: Any, name: str, tensor: torch.Tensor) -> Any:
-            out = original(self, name, tensor)
-            if name.endswith("linear_fc1.weight"):
-                (gate, g), (up, u) = out
-                return [(gate, u), (up, g)]
-            return out
-
-        HFBridge.to_hf = swapped  # type: ignore[method-assign]
-    src = str(Path(tmp, "src"))
-    trainer = make_trainer(
-        3,
-        MegatronStrategy(init_from=src, pipeline_model_parallel_size=2),
-        world_size,
-        callbacks=[
-            MegatronCheckpoint(
-                Path(tmp, "ckpt"),
-                every_n_train_steps=3,
-                hf_export=HFExport(src, when="end", check_logits=True),
-            )
-        ],
-        enable_checkpointing=True,
-    )
-    module = HFGPTModule(src, lr=1e-2)
+        HFBridge.to_hf = _gate_and_up_swapped(HFBridge.to_hf)  # type: ignore[method-assign]
+    trainer = _checked_export_trainer(tmp, world_size, pipeline_model_parallel_size=2)
+    module = HFGPTModule(str(Path(tmp, "src")), lr=1e-2)
     try:
         trainer.fit(module, train_dataloaders=loader(16, 2))
     except RuntimeError as err:
@@ -229,17 +207,9 @@ def test_the_logits_check_catches_a_wrong_mapping_that_tensor_checks_miss(tmp_pa
     from lightning_mcore_ckpt import hf
 
     original = hf.HFBridge.to_hf
-
-    def swapped(self: Any, name: str, tensor: torch.Tensor) -> Any:
-        out = original(self, name, tensor)
-        if name.endswith("linear_fc1.weight"):
-            (gate, g), (up, u) = out
-            return [(gate, u), (up, g)]
-        return out
-
     out = tmp_path / "wrong"
     try:
-        hf.HFBridge.to_hf = swapped  # type: ignore[method-assign]
+        hf.HFBridge.to_hf = _gate_and_up_swapped(original)  # type: ignore[method-assign]
         hf.export_checkpoint(step, tmp_path / "src", out)
         assert hf.verify_export(out, step).ok
     finally:

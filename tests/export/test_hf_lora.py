@@ -4,15 +4,12 @@ exported merged into the weights or as a PEFT adapter, checked against the model
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _cli import run_cli
+from _cli import installed_cli, run_cli
 
 from lightning_mcore_ckpt.testing import run_distributed
 
@@ -23,17 +20,6 @@ LOGITS_ATOL = 1e-4
 """fp32 Megatron-Core (local layers) against fp32 transformers on the same weights."""
 STEPS = 4
 ADAPTER_KEYS = ("adapter.linear_in.weight", "adapter.linear_out.weight")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("lightning-mcore-ckpt")
-    return subprocess.run(
-        [str(exe), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=240,
-    )
 
 
 def _train(rank: int, world_size: int, tmp: str, tp: int) -> dict[str, Any]:
@@ -168,7 +154,7 @@ def test_merged_and_peft_exports_compute_the_trained_model(runs: Any, tp: int) -
         assert (merged / "model.safetensors").is_file()
     else:
         merged = tmp / "tp1-merged"
-        done = _cli("export", str(step), "--hf-model", str(src), "--out", str(merged))
+        done = installed_cli("export", str(step), "--hf-model", str(src), "--out", str(merged))
         assert done.returncode == 0, done.stderr
     merged_logits = _hf_logits(merged, run["probe"])
     torch.testing.assert_close(merged_logits, run["logits"], rtol=0, atol=LOGITS_ATOL)

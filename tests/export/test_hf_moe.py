@@ -86,22 +86,9 @@ def _train(rank: int, world_size: int, tmp: str, ep: int, sgd: bool) -> dict[str
 
 
 def _load_at_ep1_and_export(rank: int, world_size: int, tmp: str) -> None:
-    from _trainer import loader, make_trainer
+    from _trainer import resave_on_this_layout_and_export
 
-    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions, hf
-    from lightning_mcore_ckpt.tiny import HFGPTModule
-
-    src = str(Path(tmp, "src"))
-    trainer = make_trainer(3, MegatronStrategy(), world_size)
-    trainer.validate(
-        HFGPTModule(src),
-        dataloaders=loader(4, 2),
-        ckpt_path=str(Path(tmp, "ckpt", "global_step_3")),
-        verbose=False,
-    )
-    ep1 = Path(tmp, "ep1")
-    trainer.save_checkpoint(ep1, storage_options=SaveOptions(contents=["model"]))
-    hf.export_checkpoint(ep1, src, Path(tmp, "ep1_hf"), require_complete=False)
+    resave_on_this_layout_and_export(tmp, "ckpt/global_step_3", "ep1")
 
 
 def test_import_then_export_of_a_moe_gives_back_the_same_files(tmp_path: Path) -> None:

@@ -35,8 +35,8 @@ class LogitsResult:
 
     Example::
 
-        result = check_logits("qwen-sft", "checkpoints/sft/global_step_3000")
-        print(f"{result.head}: {result.max_abs_diff:.2g} (tolerance {result.atol})", result.ok)
+        result = check_logits("qwen-sft", "checkpoints/sft/global_step_3000", atol=1e-4)
+        assert result.head == "lm" and result.max_abs_diff <= result.atol
     """
 
     head: str

@@ -91,6 +91,7 @@ def check_logits(
             f"verify --logits: --reference {step_path} is not a step directory (it has no "
             f"{layout.MODEL_DIR}/); the logits check runs the step's Megatron-Core model"
         )
+    _cpu.install()  # the CPU adaptations, where there is no CUDA (a no-op otherwise)
     if not _cpu.on_cpu():
         raise RuntimeError(
             "check_logits runs both models on the CPU: call it in a process without CUDA "

@@ -184,7 +184,7 @@ def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
     assert max(sum(v.nbytes for v in got.values()) for got in calls) == EXPERT_SLICE_BYTES
     monkeypatch.undo()
 
-    assert cli_main(["verify", str(exported), "--reference", str(step)]) == 0
+    assert cli_main(["verify", str(exported), "--reference", str(step), "--logits"]) == 0
     assert "OK: they match" in capsys.readouterr().out
 
     # Loaded back on one process (EP=1: all experts) and exported there: the same files.

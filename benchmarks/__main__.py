@@ -538,12 +538,22 @@ def main(argv: list[str] | None = None) -> int:
         "--only-dedup", action="store_true", help="only the frozen base with and without dedup"
     )
     parser.add_argument(
+        "--only-s3",
+        action="store_true",
+        help="only the local disk against an S3 server on loopback (benchmarks/s3.py)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
         help="where the model trains (cuda: one process per GPU; adds the D2H bandwidth)",
     )
+    from benchmarks import s3
+
+    s3.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.only_s3:
+        return s3.run(args)
     if args.only_hf_export:
         scratch = Path(args.dir).resolve()
         shutil.rmtree(scratch, ignore_errors=True)

@@ -20,7 +20,7 @@ import pickle
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_mcore_ckpt import _safe_load
+from lightning_mcore_ckpt import _objects, _safe_load
 
 __all__ = ["COMMON_FILE", "check_dist_checkpoint", "read_dcp_metadata"]
 
@@ -155,8 +155,8 @@ def check_dist_checkpoint(directory: str | os.PathLike[str]) -> None:
                 f"it is stored through transforms {list(info.transform_descriptors)}, which "
                 "lightning-mcore-ckpt cannot check before they are unpickled",
             )
-        with open(root / info.relative_path, "rb") as f:
-            unsafe = _safe_load.scan(_Window(f, int(info.offset), int(info.length)), where)
+        with _objects.open_read(root / info.relative_path) as f:  # local, or a view's
+            unsafe = _safe_load.scan(_Window(f, int(info.offset), int(info.length)), where)  # type: ignore[arg-type]
         if unsafe:
             refused[index.fqn] = unsafe
     if refused:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -210,8 +211,11 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_mcore_ckpt import hf
+    from lightning_mcore_ckpt import _objects, hf, replica
 
+    out_url = args.out if _objects.is_url(args.out) else None
+    if out_url is not None:  # written here, then uploaded
+        args.out = str(Path(tempfile.mkdtemp(prefix="lmc-export-")) / "export")
     try:
         if args.upload_to is not None:  # before any work
             hf.check_upload_options(args.upload_to, args.private, 3, 0, where="export --upload-to")
@@ -231,6 +235,8 @@ def _export(args: argparse.Namespace) -> int:
         f"exported {summary['tensors']} tensors ({summary['bytes'] / 1e9:.3f} GB) to "
         f"{summary['path']} in {summary['seconds']:.1f}s"
     )
+    if out_url is not None:
+        print(f"uploaded {replica.upload_tree(Path(args.out), out_url) / 1e9:.3f} GB to {out_url}")
     if args.upload_to is not None:
         try:
             done = hf.upload_export(args.out, args.step_dir, args.upload_to, private=args.private)
@@ -367,6 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from lightning_mcore_ckpt import replica
+
+    try:  # a step or a dirpath in an object store: read through a local view of it
+        replica.open_url_arguments(args, ("dirpath", "path", "step", "step_dir", "reference"))
+    except (ImportError, ValueError, OSError) as err:
+        return _fail(err)
     if args.command == "report":
         return _report(args, parser)
     if args.command == "ls":

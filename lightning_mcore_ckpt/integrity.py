@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from lightning_mcore_ckpt import _objects
+
 __all__ = [
     "ALGORITHM",
     "METADATA_HASH",
@@ -116,7 +118,7 @@ def hash_file(path: str | os.PathLike[str]) -> str:
         hash_file("checkpoints/run/global_step_100/model/__0_0.distcp")  # "xxh3-128:..."
     """
     hasher = _new()
-    with open(path, "rb", buffering=0) as f:
+    with _objects.open_read(path) as f:  # a local file, or a view's file in an object store
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
         while read := f.readinto(buffer):
@@ -226,7 +228,7 @@ def check_hashes(
 
     def check(name: str) -> str | None:
         file = root / name
-        if not file.is_file():
+        if _objects.size_of(file) is None:
             return f"{file} is missing"
         actual = hash_file(file)
         if actual != hashes[name]:

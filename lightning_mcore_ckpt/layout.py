@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mcore_ckpt import _atomic, _safe_dcp, _safe_load, integrity
+from lightning_mcore_ckpt import _atomic, _objects, _safe_dcp, _safe_load, integrity
 from lightning_mcore_ckpt._lock import LOCK_FILE, DirectoryLock
 from lightning_mcore_ckpt._markers import (
     METADATA_FILE,
@@ -210,10 +210,10 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
         problems.append(f"{directory / 'metadata.json'} is missing")
     for name, size in sorted(needed.items()):
         shard = directory / name
-        if not shard.is_file():
+        if (found := _objects.size_of(shard)) is None:  # local, or a view's file in a store
             problems.append(f"{shard} is missing")
-        elif shard.stat().st_size < size:
-            problems.append(f"{shard} is truncated ({shard.stat().st_size} of {size} bytes)")
+        elif found < size:
+            problems.append(f"{shard} is truncated ({found} of {size} bytes)")
     return problems
 
 
@@ -254,12 +254,12 @@ def verify_step(
         if name.split("/", 1)[0] in skipped:
             continue
         file = p / name
-        if not file.is_file():
+        if (actual := _objects.size_of(file)) is None:
             problems.append(f"{file} is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"{file} is truncated ({file.stat().st_size} of {size} bytes)")
-        elif file.stat().st_size > size:
-            problems.append(f"{file} has {file.stat().st_size} bytes, {size} when committed")
+        elif actual < size:
+            problems.append(f"{file} is truncated ({actual} of {size} bytes)")
+        elif actual > size:
+            problems.append(f"{file} has {actual} bytes, {size} when committed")
     for sub, wanted in ((MODEL_DIR, "model"), (OPTIM_DIR, "optimizer")):
         if wanted in contents:
             problems += [q for q in _verify_dist_checkpoint(p / sub) if q not in problems]

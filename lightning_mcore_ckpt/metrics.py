@@ -50,6 +50,9 @@ METRIC_KEYS = (
     "hf_export_time_s",
     "hf_upload_time_s",
     "hf_upload_failed",
+    "upload_bytes",
+    "upload_time_s",
+    "upload_throughput_gbps",
 )
 """Figures of a save, as named in ``metadata.json``; logged as ``checkpoint/<name>``."""
 

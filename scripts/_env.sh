@@ -35,7 +35,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$sta
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" torch
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      -c "$CONSTRAINTS" -e "$ROOT[dev,wandb,plot,cli,docs,peft]"
+      -c "$CONSTRAINTS" -e "$ROOT[dev,wandb,plot,cli,docs,peft,s3]"
   echo "$stamp" > "$VENV/.stamp"
 fi
 export PATH="$VENV/bin:$PATH"

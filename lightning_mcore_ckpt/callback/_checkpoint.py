@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from weakref import proxy
 
-from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mcore_ckpt import layout, metrics
@@ -30,9 +29,12 @@ from lightning_mcore_ckpt.callback._setup import (
     acquire_lock,
     agree_on_last,
     check_hf_export,
+    has_last,
+    open_tier,
     refuse_another_runs_steps,
     refuse_uploading_loggers,
 )
+from lightning_mcore_ckpt.callback._tier import StoreTier
 from lightning_mcore_ckpt.callback._when import StepTriggers
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
@@ -111,6 +113,10 @@ class MegatronCheckpoint(StepTriggers):
         save_on_train_epoch_end: bool | None = None,
         verbose: bool = False,
         overwrite: bool = False,
+        local_dir: str | os.PathLike[str] | None = None,
+        durability: str = "store",
+        upload_concurrency: int = 8,
+        upload_part_mb: int = 64,
     ) -> None:
         fields = CheckpointConfig.__dataclass_fields__
         config = CheckpointConfig(**{k: v for k, v in locals().items() if k in fields})
@@ -139,7 +145,8 @@ class MegatronCheckpoint(StepTriggers):
         self.overwrite = overwrite
         self.failed_saves = 0
         # The key of this callback's state in a checkpoint: the dirpath as given.
-        self._key = str(Path(os.path.expanduser(str(dirpath))))
+        self._key = str(dirpath) if config.store else str(Path(os.path.expanduser(str(dirpath))))
+        self._tier = StoreTier.of(config)  # an s3:// dirpath, or None
         self._committer: Committer | None = None
         self._lock: DirectoryLock | None = None
         self._filters: list[Any] | None = None
@@ -178,6 +185,7 @@ class MegatronCheckpoint(StepTriggers):
         if self._filters is not None:  # see _find_last_checkpoints
             warnings.filters[:], self._filters = self._filters, None  # type: ignore[index]
         self._lock = acquire_lock(trainer, self._root, stage)
+        open_tier(trainer, self._tier, stage)
         agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
         self._found_last = None
         self._resumed_step = None  # set by on_load_checkpoint when this fit resumes
@@ -192,6 +200,7 @@ class MegatronCheckpoint(StepTriggers):
             on_committed=lambda metadata: self._on_committed(trainer, metadata),
             on_failed=lambda path, error: self._on_failed(trainer, path, error),
             check_lock=None if self._lock is None else self._lock.check,
+            tier=self._tier,
         )
         trainer.strategy.add_save_listener(self._committer)
 
@@ -205,11 +214,12 @@ class MegatronCheckpoint(StepTriggers):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # starts the train_time_interval clock
         # Known only now: whether a checkpoint was loaded (nothing has been written yet).
+        assert self._committer is not None
         if self._resumed_step is None and self.overwrite:
-            assert self._committer is not None
             self._committer.replace_run()
         elif self._resumed_step is None:
-            refuse_another_runs_steps(trainer, self._root)
+            refuse_another_runs_steps(trainer, self._root, self._tier)
+        self._committer.catch_up(trainer)  # durability="local": steps not uploaded yet
         if self._resumed_step is not None and self.restore_dataloader:
             _loops.refuse_unresumable_loader(trainer, str(self._root), self._resumed_step)
         if self.save_on_preemption:
@@ -270,6 +280,9 @@ class MegatronCheckpoint(StepTriggers):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        if self._tier is not None and self._tier.lock is not None:
+            self._tier.lock.release()
+            self._tier.lock = None
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -293,20 +306,7 @@ class MegatronCheckpoint(StepTriggers):
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        # Rank 0's choice is the one loaded (the strategy resolves and broadcasts it); only it
-        # reads the steps' indexes to skip a damaged one.
-        missing = [c for c in ("optimizer", "extra") if c not in self.save_contents]
-        if missing and trainer.state.fn == TrainerFn.FITTING:
-            raise ValueError(
-                f"MegatronCheckpoint(save_contents={list(self.save_contents)!r}): "
-                f'fit(ckpt_path="last") resumes training, which needs {missing} in every step. '
-                "Add them to save_contents, or start a new run from the weights with "
-                "MegatronStrategy(init_from=<step directory>)"
-            )
-        # Which step is decided once, when the strategy loads: rank 0 picks the newest step
-        # that is undamaged and every rank gets its choice (or its error). Here every rank only
-        # says whether there is one to resume; setup checks that all ranks agree.
-        self._found_last = bool(layout.complete_steps(self._root))
+        self._found_last = has_last(trainer, self.save_contents, self._root, self._tier)
         if self._found_last:
             return {str(self._root)}
         if trainer.is_global_zero:

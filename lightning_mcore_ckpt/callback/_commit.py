@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt import layout, retention
 from lightning_mcore_ckpt.callback._export import export_into_committed, make_uploader
 from lightning_mcore_ckpt.callback._intent import Intent, step_metadata
+from lightning_mcore_ckpt.callback._tier import retain
 from lightning_mcore_ckpt.engine import (
     CheckpointSaveError,
     SaveOptions,
@@ -32,6 +33,7 @@ from lightning_mcore_ckpt.engine import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_mcore_ckpt.callback._tier import StoreTier
     from lightning_mcore_ckpt.hf import HFExport
 
 __all__ = ["Committer"]
@@ -55,6 +57,7 @@ class Committer:
         check_lock: rank 0: raises ``RuntimeError`` once this run no longer holds the
             directory's lock (:meth:`~lightning_mcore_ckpt.layout.DirectoryLock.check`); no
             step is written, committed or deleted after that.
+        tier: an object-store ``dirpath`` (``root`` is its local tier), or ``None``.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Committer:
         on_committed: Callable[[dict[str, Any]], None],
         on_failed: Callable[[Path, BaseException], None],
         check_lock: Callable[[], None] | None = None,
+        tier: StoreTier | None = None,
     ) -> None:
         self.root = root
         self.is_global_zero = is_global_zero
@@ -81,6 +85,7 @@ class Committer:
         self._on_committed = on_committed
         self._on_failed = on_failed
         self._check_lock = check_lock or (lambda: None)
+        self.tier = tier
         self._intents: dict[Path, Intent] = {}
         self._removals: list[tuple[int, Path]] = []
         self._replaced: set[Path] = set()
@@ -112,7 +117,7 @@ class Committer:
         3) the strategy writes the step; its outcome comes back to :meth:`saved` or
            :meth:`failed`, on every rank.
 
-        A preemption save (``preempted``) is never exported: the job has seconds left.
+        A preemption save is never exported: the job has seconds left.
         """
         strategy = trainer.strategy
         strategy.finalize_pending_save(blocking=True)  # type: ignore[attr-defined]
@@ -152,6 +157,8 @@ class Committer:
         except RuntimeError as err:
             return f"not saving {target}: {err}"
         managed = layout.is_managed(target)
+        if self.tier is not None and self.tier.before_save(target) == "exists":
+            return "exists"
         if layout.is_complete(target) and self.overwrite and managed:
             log.warning("replacing %s (overwrite=True)", target)
             retention.remove_step(target)
@@ -182,6 +189,8 @@ class Committer:
         ]
         if intent.export:
             jobs.append((self._export_into_committed, record.path))
+        if self.tier is not None and self.tier.durability == "local":
+            jobs.append((self.tier.publish_job, record.path))  # reported on its own
         for fn, *args in jobs:
             self._awaiting.append(record.path)
             if self.is_global_zero:
@@ -207,6 +216,16 @@ class Committer:
         are deleted once this run has committed its first step (rank 0)."""
         if self.is_global_zero:
             self._replaced = {s.path for s in layout.complete_steps(self.root)}
+
+    def catch_up(self, trainer: pl.Trainer) -> None:
+        """Durability ``"local"``: publish the steps a killed run left unpublished (collective)."""
+        if self.tier is None or self.tier.durability != "local":
+            return
+        pending = [str(p) for p in self.tier.catch_up()] if self.is_global_zero else []
+        for target in map(Path, trainer.strategy.broadcast(pending)):
+            self._awaiting.append(target)
+            if self.is_global_zero:
+                self._submit(target, self.tier.publish_job, target)
 
     def export_committed(self, target: Path) -> None:
         """Add the Hugging Face export to a step that is already committed. Every rank calls
@@ -272,8 +291,7 @@ class Committer:
         return list(box[0])
 
     def _drain(self) -> None:
-        # After an error: what finished is logged, nothing is raised (the run's error is the
-        # one that propagates), nothing new is deleted.
+        # After an error: what finished is logged, nothing raised or deleted.
         self._awaiting.clear()
         while self._commits:
             target, future, _ = self._commits.pop(0)
@@ -339,14 +357,15 @@ class Committer:
             self._check_lock()
             metadata = commit_step(target, metadata, started=started)
             layout.write_tracker(self.root, metadata["global_step"])
+            if self.tier is not None and self.tier.durability == "store":
+                metadata = {**metadata, **self.tier.publish(target, first=True)}
         except Exception as err:
             raise RuntimeError(f"committing {target} failed: {err}") from err
+        gb, blocked, total = (
+            metadata[k] for k in ("size_bytes", "blocking_time_s", "total_time_s")
+        )
         log.info(
-            "committed %s: %.3f GB, blocked training %.3fs, %.3fs in all",
-            target,
-            metadata["size_bytes"] / 1e9,
-            metadata["blocking_time_s"],
-            metadata["total_time_s"],
+            "committed %s: %.3f GB, blocked %.3fs, %.3fs in all", target, gb / 1e9, blocked, total
         )
         return metadata
 
@@ -356,36 +375,17 @@ class Committer:
         keep: set[Path],
         replaced: list[Path] = (),  # type: ignore[assignment]
     ) -> dict[str, Any]:
-        # Scans the directory: nothing is kept only in memory. Never deletes the newest
-        # committed step (also when it is the one this run resumed from).
         try:
             self._check_lock()
-            for other in replaced:  # another run's steps, replaced by this one (overwrite=True)
-                if layout.is_complete(other) and layout.is_managed(other):
-                    log.info("overwrite: removing %s of the replaced run", other)
-                    retention.remove_step(other)
-            # Only what this package's runs wrote: never a link, a save by hand, a user's file.
-            complete = [s for s in layout.complete_steps(self.root) if layout.is_managed(s.path)]
-            if not complete:
-                return {}
-            newest = complete[-1].step
-            for stale in layout.incomplete_steps(self.root):
-                if stale.step < newest and layout.is_managed(stale.path):
-                    log.info("removing incomplete %s (a newer step is committed)", stale.path)
-                    retention.remove_step(stale.path)
-            protect = {newest, *(self._uploader.steps() if self._uploader else ())}  # uploading
-            doomed = retention.retention_plan(
-                complete, max_to_keep=self.max_to_keep, remove=removals, keep=keep, protect=protect
-            )
-            for old in doomed:
-                log.info("retention: removing %s", old.path)
-                retention.remove_step(old.path)
+            uploading = self._uploader.steps() if self._uploader else ()
+            retain(self.root, self.tier, self.max_to_keep, removals, keep, replaced, uploading)
         except Exception as err:  # noqa: BLE001 - a step is committed: losing none, go on
+            where = self.tier.store.url if self.tier else self.root
             log.error(
-                "a step is committed, but retention failed: %s; training goes on, and the next "
-                "commit tries again (free space or fix permissions in %s)",
+                "a step is committed, but retention failed: %s; training goes on, and the "
+                "next commit tries again (free space or fix permissions in %s)",
                 err,
-                self.root,
+                where,
             )
         return {}
 
@@ -393,6 +393,8 @@ class Committer:
         assert self.hf_export is not None
         self._check_lock()
         figures = export_into_committed(self.hf_export, target)
+        if figures and self.tier is not None:  # the export joins the published step
+            self.tier.publish(target)
         if figures and self._uploader is not None:
             self._uploader.submit(target)  # in the background: the export is committed
         return figures

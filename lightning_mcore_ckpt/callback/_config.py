@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_mcore_ckpt import _objects
+from lightning_mcore_ckpt._objects import ObjectStore
+from lightning_mcore_ckpt.replica import DURABILITY
+
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.hf import HFExport
 
@@ -20,6 +24,7 @@ SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 """Names accepted in ``save_contents``."""
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_DEFAULTS = {"local_dir": None, "durability": "store"}
 
 
 def _fail(name: str, value: Any, why: str) -> ValueError:
@@ -66,8 +71,9 @@ class CheckpointConfig:
 
     dirpath: str | os.PathLike[str]
     """The directory of this run's steps (created if missing). A leading ``~`` is expanded;
-    a relative path is taken from the working directory. Local paths only: a URL
-    (``s3://...``) is refused."""
+    a relative path is taken from the working directory. Or an S3-compatible object store,
+    ``s3://bucket/prefix`` (needs ``pip install 'lightning-mcore-ckpt[s3]'``; see
+    [object storage](object-storage.md)); any other URL is refused."""
     every_n_train_steps: int | None = None
     """Save every N optimizer steps; ``0`` or ``None`` disables it."""
     train_time_interval: datetime.timedelta | None = None
@@ -123,8 +129,25 @@ class CheckpointConfig:
     refused before any work. ``True`` replaces them: a step this run saves replaces the one of
     the same number, and the other run's steps are deleted once this run's first step is
     committed (so "last" is always this run's)."""
+    local_dir: str | os.PathLike[str] | None = None
+    """With an object-store ``dirpath``: the local tier, where each step is written and
+    committed first, then published to the store in the background; its steps follow the same
+    retention. ``None``: a staging directory under the system's temporary directory, from which
+    each step is removed once published."""
+    durability: str = "store"
+    """With an object-store ``dirpath``, when a step counts as saved (``"last"`` may name it,
+    its save metrics are logged): ``"store"``, once its marker is in the store; ``"local"``,
+    once it is committed in ``local_dir`` (its upload follows; needs ``local_dir``)."""
+    upload_concurrency: int = 8
+    """With an object-store ``dirpath``: requests in flight per uploaded file."""
+    upload_part_mb: int = 64
+    """With an object-store ``dirpath``: the multipart part size (MiB). One file's upload holds
+    at most ``upload_concurrency * upload_part_mb`` MiB in memory."""
     root: Path = field(init=False)
-    """``dirpath`` resolved: ``~`` expanded, absolute, symlinks resolved (as Lightning does)."""
+    """``dirpath`` resolved: ``~`` expanded, absolute, symlinks resolved (as Lightning does);
+    with an object-store ``dirpath``, the local tier."""
+    store: ObjectStore | None = field(init=False, default=None)
+    """The object store of an ``s3://`` ``dirpath``, else ``None``."""
 
     def __post_init__(self) -> None:
         self._check_dirpath()
@@ -171,12 +194,18 @@ class CheckpointConfig:
         given = self.dirpath
         if not isinstance(given, str | os.PathLike) or not str(given):
             raise _fail("dirpath", given, "pass the directory for this run's checkpoints")
+        if _objects.is_url(given):
+            self._check_store(str(given))
+            return
         if _URL.match(str(given)):
             raise _fail(
                 "dirpath",
                 str(given),
-                "only local directories are supported; write to a local or mounted path",
+                "only local directories and s3://bucket/prefix are supported",
             )
+        for name in ("local_dir", "durability"):
+            if getattr(self, name) != _DEFAULTS[name]:
+                raise _fail(name, getattr(self, name), "only applies to an s3:// dirpath")
         # Only a leading "~" is the home directory ("./~/ckpts" is a directory named "~").
         self.root = Path(os.path.realpath(os.path.expanduser(str(given))))
         if self.root.exists() and not self.root.is_dir():
@@ -185,6 +214,36 @@ class CheckpointConfig:
                 str(given),
                 "it is a file, not a directory; pass a directory (it is created if missing)",
             )
+
+    def _check_store(self, url: str) -> None:
+        _objects.require_client("MegatronCheckpoint(dirpath", url)
+        if self.durability not in DURABILITY:
+            raise _fail("durability", self.durability, f"use one of {list(DURABILITY)}")
+        if self.durability == "local" and self.local_dir is None:
+            raise _fail(
+                "durability",
+                self.durability,
+                "needs local_dir (the local tier that holds each step until it is published)",
+            )
+        _check_count("upload_concurrency", self.upload_concurrency, zero_disables=False)
+        _check_count("upload_part_mb", self.upload_part_mb, zero_disables=False)
+        if self.upload_part_mb < 5:
+            raise _fail("upload_part_mb", self.upload_part_mb, "S3 parts are at least 5 MiB")
+        try:
+            self.store = ObjectStore.from_url(
+                url, concurrency=self.upload_concurrency, part_size=self.upload_part_mb << 20
+            )
+        except ValueError as err:
+            raise _fail("dirpath", url, str(err)) from None
+        if self.overwrite:
+            raise _fail("overwrite", True, "is not supported with an s3:// dirpath yet")
+        local = self.local_dir
+        if local is None:
+            local = Path(tempfile.gettempdir(), "lightning-mcore-ckpt", self.store.bucket)
+            local = local / (self.store.prefix or "_")
+        self.root = Path(os.path.realpath(os.path.expanduser(str(local))))
+        if self.root.exists() and not self.root.is_dir():
+            raise _fail("local_dir", str(local), "it is a file, not a directory")
 
     def _check_one_cadence(self) -> None:
         interval = self.train_time_interval

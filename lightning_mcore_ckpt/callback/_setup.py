@@ -8,16 +8,20 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import layout, metrics
 from lightning_mcore_ckpt._lock import DirectoryLock
+from lightning_mcore_ckpt._store_lock import StoreLock
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_mcore_ckpt.callback._tier import StoreTier
     from lightning_mcore_ckpt.hf import HFExport
 
 __all__ = [
     "acquire_lock",
     "agree_on_last",
     "check_hf_export",
+    "has_last",
+    "open_tier",
     "refuse_another_runs_steps",
     "refuse_uploading_loggers",
 ]
@@ -46,12 +50,13 @@ def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock |
     return lock
 
 
-def refuse_another_runs_steps(trainer: pl.Trainer, root: Path) -> None:
-    """A ``fit`` that starts from scratch (no checkpoint was loaded) in a directory holding
-    complete steps. Collective: rank 0 looks, every rank raises the same ``ValueError``."""
+def refuse_another_runs_steps(trainer: pl.Trainer, root: Path, tier: StoreTier | None) -> None:
+    """A ``fit`` that starts from scratch (no checkpoint was loaded) in a directory (or a store)
+    holding complete steps. Collective: rank 0 looks, every rank raises the same error."""
     problem = None
     if trainer.is_global_zero:
-        steps = layout.complete_steps(root)
+        steps = layout.complete_steps(root) if tier is None else tier.complete_steps()
+        root = root if tier is None else tier.store.url  # type: ignore[assignment]
         problem = _another_run(root, steps[-1].path.name) if steps else None
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
@@ -99,6 +104,51 @@ def check_hf_export(export: HFExport, strategy: Any, pl_module: pl.LightningModu
         prefixes,
         argument="HFExport(hf_model_path=...)",
     )
+
+
+def open_tier(trainer: pl.Trainer, tier: StoreTier | None, stage: str) -> None:
+    """An object-store ``dirpath``: rank 0 takes the store's lock for ``fit`` (every rank raises
+    the same error when another run holds it); the strategy finds "last" through the tier."""
+    if tier is None:
+        return
+    problem = None
+    if trainer.is_global_zero and stage == "fit":
+        tier.lock = StoreLock(tier.store)
+        try:
+            tier.lock.acquire()
+        except Exception as err:  # noqa: BLE001 - the same error on every rank
+            problem, tier.lock = f"{type(err).__name__}: {err}", None
+        else:
+            tier.lock.start_heartbeat()
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        raise RuntimeError(f"MegatronCheckpoint(dirpath={tier.store.url!r}): {problem}")
+    trainer.strategy.checkpoint_sources[str(tier.root)] = tier.resolve_last  # type: ignore[attr-defined]
+
+
+def has_last(
+    trainer: pl.Trainer, contents: tuple[str, ...], root: Path, tier: StoreTier | None
+) -> bool:
+    """``fit(ckpt_path="last")``: whether there is a step to resume (every rank).
+
+    Which step is decided once, when the strategy loads: rank 0 picks the newest step that is
+    undamaged and every rank gets its choice (or its error). Here every rank only says whether
+    there is one; :func:`agree_on_last` checks that all ranks agree.
+    """
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    missing = [c for c in ("optimizer", "extra") if c not in contents]
+    if missing and trainer.state.fn == TrainerFn.FITTING:
+        raise ValueError(
+            f"MegatronCheckpoint(save_contents={list(contents)!r}): "
+            f'fit(ckpt_path="last") resumes training, which needs {missing} in every step. '
+            "Add them to save_contents, or start a new run from the weights with "
+            "MegatronStrategy(init_from=<step directory>)"
+        )
+    if tier is None:
+        return bool(layout.complete_steps(root))
+    root.mkdir(parents=True, exist_ok=True)  # Lightning looks at the path it is given
+    return tier.has_last()
 
 
 def agree_on_last(trainer: pl.Trainer, root: Path, found: bool | None) -> None:

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import _compat, _cpu, _optim, _parallel, _safe_dcp, _safe_load, layout
+from lightning_mcore_ckpt import (
+    _compat,
+    _cpu,
+    _objects,
+    _optim,
+    _parallel,
+    _safe_dcp,
+    _safe_load,
+    layout,
+    replica,
+)
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
-from lightning_mcore_ckpt.engine._reading import load_strategy
+from lightning_mcore_ckpt.engine._reading import load_strategy, views_readable
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
 from lightning_mcore_ckpt.engine._shards import default_write_threads
 from lightning_mcore_ckpt.engine._state_dicts import (
@@ -65,6 +76,8 @@ class CheckpointReader:
         """Shard files each rank reads at once."""
         self.verify_hashes = verify_hashes
         """Re-hash every file the load reads, against the digests of its commit."""
+        self.sources: dict[str, Callable[[tuple[str, ...] | None, bool], str | None]] = {}
+        """Local tiers of object-store dirpaths: how "last" of each is found (rank 0)."""
 
     def resolve(
         self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
@@ -78,14 +91,14 @@ class CheckpointReader:
         problem = resolved = None
         if rank == 0:
             try:
-                found = layout.resolve_checkpoint(checkpoint_path, reading, self.verify_hashes)
-                resolved = str(found)
+                resolved = self._resolve(checkpoint_path, reading)
             except FileNotFoundError as err:
                 problem = str(err)
         resolved, problem = broadcast((resolved, problem))
         if problem is not None:
             raise FileNotFoundError(problem)
-        path = Path(resolved)
+        # A step in an object store is read through a local view of it (every rank).
+        path = replica.open_view(resolved) if _objects.is_url(resolved) else Path(resolved)
         if rank == 0 and str(path) != str(checkpoint_path):
             log.info("resuming from %s", path)
         if not (path / MODEL_DIR).is_dir():
@@ -96,6 +109,18 @@ class CheckpointReader:
         layout.check_format(path)
         _compat.check_readable(path)
         return path
+
+    def _resolve(self, checkpoint_path: Any, reading: tuple[str, ...] | None) -> str:
+        source = self.sources.get(str(checkpoint_path))
+        if source is not None:  # a dirpath in an object store, with its local tier
+            found = source(reading, self.verify_hashes)
+            if found is None:
+                raise FileNotFoundError(f"no complete checkpoint in {checkpoint_path} or its store")
+            return found
+        if _objects.is_url(checkpoint_path):
+            _objects.require_client("ckpt_path", str(checkpoint_path))
+            return replica.resolve_url(str(checkpoint_path), reading, self.verify_hashes)
+        return str(layout.resolve_checkpoint(checkpoint_path, reading, self.verify_hashes))
 
     def _load_strategy(self, path: Path) -> Any:
         from megatron.core import parallel_state
@@ -185,11 +210,12 @@ class CheckpointReader:
             _safe_dcp.check_dist_checkpoint(path / MODEL_DIR)
         self.check_shapes(path / MODEL_DIR, state, trusted=trusted)
 
-        loaded = dist_checkpointing.load(
-            state.model_sharded_state_dict(),
-            str(path / MODEL_DIR),
-            sharded_strategy=self._load_strategy(path / MODEL_DIR),
-        )
+        with views_readable():
+            loaded = dist_checkpointing.load(
+                state.model_sharded_state_dict(),
+                str(path / MODEL_DIR),
+                sharded_strategy=self._load_strategy(path / MODEL_DIR),
+            )
         state.module.load_state_dict(to_module_keys(state.module, loaded), strict=state.strict)
 
     def load_optimizers(
@@ -219,11 +245,14 @@ class CheckpointReader:
             if not dist_opt.optimizer.state:
                 _optim.init_state(dist_opt.optimizer)
         metadata = self._optimizer_format(directory, state)
-        loaded = dist_checkpointing.load(
-            optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, True, metadata),
-            str(directory),
-            sharded_strategy=self._load_strategy(directory),
-        )
+        with views_readable():
+            loaded = dist_checkpointing.load(
+                optimizer_sharded_state_dict(
+                    state.optimizers, state.module, model_ssd, True, metadata
+                ),
+                str(directory),
+                sharded_strategy=self._load_strategy(directory),
+            )
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         for idx, opt in enumerate(state.optimizers):
             if isinstance(opt, MegatronOptimizer):

@@ -26,7 +26,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 
-__all__ = ["ParallelFileSystemReader", "load_strategy"]
+from lightning_mcore_ckpt import _objects
+
+__all__ = ["ParallelFileSystemReader", "load_strategy", "views_readable"]
 
 
 class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
@@ -34,6 +36,7 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
 
     def __init__(self, path: Any, threads: int) -> None:
         super().__init__(path)
+        self.fs = _objects.routed_filesystem()  # a view of a step in an object store
         self.threads = threads
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
@@ -50,8 +53,11 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
 
         def read_file(relative_path: str, items: list[Any]) -> None:
             items.sort(key=lambda item: infos[item.storage_index].offset)
-            with open(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                if hasattr(os, "posix_fadvise"):
+            path = self.fs.concat_path(self.path, relative_path)
+            # A view of a step in an object store reads its shard files by range.
+            remote = _objects.remote_size(path) is not None
+            with _objects.open_read(path) as stream:
+                if hasattr(os, "posix_fadvise") and not remote:
                     os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for item in items:
                     info = infos[item.storage_index]
@@ -99,10 +105,10 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
     (a strided or differently typed tensor, a device tensor): torch.load and a copy do those.
     """
     start = getattr(layout.untyped_storage(), "_checkpoint_offset", None)
+    local = hasattr(os, "preadv") and isinstance(getattr(stream, "raw", None), io.FileIO)
     if (
         start is None
         or sys.byteorder != "little"
-        or not hasattr(os, "preadv")
         or target.device.type != "cpu"
         or layout.dtype != target.dtype
         or not layout.is_contiguous()
@@ -113,6 +119,11 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
     size = layout.element_size()
     position = record_offset + start + layout.storage_offset() * size
     buffer = target.reshape(-1).view(torch.uint8).numpy().data
+    if not local:  # a remote file: one ranged read, straight into the tensor
+        stream.seek(position)
+        if stream.readinto(buffer) != len(buffer):
+            raise OSError(f"{stream.name}: the object ends inside a record")
+        return True
     done = 0
     while done < len(buffer):
         read = os.preadv(stream.fileno(), [buffer[done:]], position + done)
@@ -124,7 +135,34 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
     return True
 
 
-_swap_lock = threading.Lock()
+_swap_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def views_readable() -> Iterator[None]:
+    """Every torch DCP reader Megatron-Core creates meanwhile reads a view's remote files
+    from its object store (e.g. the common state it reads before the sharded load)."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    stock = torch_strategy._get_filesystem_reader
+
+    def reader(*args: Any, **kwargs: Any) -> Any:
+        made = stock(*args, **kwargs)
+        if isinstance(made, FileSystemReader):
+            made.fs = _objects.routed_filesystem()
+        return made
+
+    # Megatron-Core 0.16 reads the common state from common.pt, without a DCP reader.
+    modules = [m for m in (torch_strategy, serialization) if hasattr(m, "_get_filesystem_reader")]
+    with _swap_lock:
+        for module in modules:
+            module._get_filesystem_reader = reader
+        try:
+            yield
+        finally:
+            for module in modules:
+                module._get_filesystem_reader = stock
 
 
 @contextlib.contextmanager

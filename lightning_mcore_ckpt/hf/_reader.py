@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_mcore_ckpt import _safe_dcp, _safe_load
+from lightning_mcore_ckpt import _objects, _safe_dcp, _safe_load
 from lightning_mcore_ckpt.hf._names import EMBEDDING, EXPERTS, LAYERS, expert_name
 
 __all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
@@ -64,6 +64,7 @@ class CheckpointReader:
 
         self.dir = model_dir
         self.reader = IndexReadOnce(str(model_dir))
+        self.reader.fs = _objects.routed_filesystem()  # a view of a step in an object store
         metadata = self.reader.read_metadata()
         self.tensors = {
             k: v

@@ -313,6 +313,12 @@ class MegatronStrategy(MegatronTrainingBase):
 
     # --- checkpoint: load -----------------------------------------------------------------
 
+    @property
+    def checkpoint_sources(self) -> dict[str, Any]:
+        """Where "last" of a checkpoint directory is found when it is not the directory itself
+        (the local tier of an object-store ``dirpath``: the callback registers it)."""
+        return self._reader.sources
+
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None

@@ -494,7 +494,7 @@ def test_relative_dirpath_with_tilde_is_not_expanded(
     assert [s.step for s in layout.complete_steps(target)] == [1, 2]
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run", "memory://run"])
+@pytest.mark.parametrize("url", ["gs://bucket/run", "memory://run"])
 def test_url_dirpath_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
     from lightning_mcore_ckpt import MegatronCheckpoint
 

@@ -49,14 +49,65 @@ def test_dirpath_that_is_a_file_is_refused(tmp_path: Path) -> None:
         MegatronCheckpoint(f)
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run", "memory://run", "gs://b/run"])
+@pytest.mark.parametrize("url", ["memory://run", "gs://b/run", "msc://profile/run"])
 def test_url_dirpath_is_refused_and_nothing_is_created(
     url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=rf"dirpath='{url}'\): only local directories"):
+    match = rf"dirpath='{url}'\): only local directories and s3://bucket/prefix are supported"
+    with pytest.raises(ValueError, match=match):
         MegatronCheckpoint(url)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_s3_dirpath_without_boto3_is_refused_with_the_install_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    match = r"dirpath='s3://ckpts/run'\): .*boto3.*pip install 'lightning-mcore-ckpt\[s3\]'"
+    with pytest.raises(ImportError, match=match):
+        MegatronCheckpoint("s3://ckpts/run")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dirpath": "s3://ckpts/run", "durability": "disk"}, r"durability='disk'\): use one of"),
+        ({"dirpath": "s3://ckpts/run", "durability": "local"}, r"needs local_dir"),
+        ({"dirpath": "s3://ckpts/run", "upload_part_mb": 4}, r"at least 5 MiB"),
+        ({"dirpath": "s3://ckpts/run", "upload_concurrency": 0}, r"upload_concurrency=0"),
+        ({"dirpath": "s3://ckpts", "overwrite": True}, r"overwrite=True\): is not supported"),
+        ({"dirpath": "s3:///run"}, r"names no bucket"),
+        ({"dirpath": "local", "durability": "local"}, r"only applies to an s3:// dirpath"),
+        ({"dirpath": "local", "local_dir": "x"}, r"only applies to an s3:// dirpath"),
+    ],
+)
+def test_object_store_options_are_checked_before_any_work(
+    kwargs: dict[str, object], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("boto3")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        MegatronCheckpoint(**kwargs)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_s3_dirpath_stages_steps_in_a_local_tier(tmp_path: Path) -> None:
+    pytest.importorskip("boto3")
+    import tempfile
+
+    staged = MegatronCheckpoint("s3://ckpts/team/run1", every_n_train_steps=1)
+    assert staged.config.root == Path(tempfile.gettempdir()).resolve() / (
+        "lightning-mcore-ckpt/ckpts/team/run1"
+    )
+    assert staged.config.store is not None and staged.config.store.prefix == "team/run1"
+    tiered = MegatronCheckpoint("s3://ckpts/run1", local_dir=tmp_path / "tier", durability="local")
+    assert tiered.config.root == (tmp_path / "tier").resolve()
+    assert not (tmp_path / "tier").exists()  # created at setup, not at construction
 
 
 def test_tilde_is_expanded_only_at_the_start(

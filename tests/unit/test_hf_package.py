@@ -30,6 +30,7 @@ ALLOWED = {
     "lightning_mcore_ckpt._atomic",
     "lightning_mcore_ckpt._compat",
     "lightning_mcore_ckpt._cpu",
+    "lightning_mcore_ckpt._objects",
     "lightning_mcore_ckpt._parallel",
     "lightning_mcore_ckpt._safe_dcp",
     "lightning_mcore_ckpt._safe_load",

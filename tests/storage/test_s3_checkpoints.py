@@ -305,6 +305,12 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     view = replica.open_view(url)
     assert not list(view.rglob("*.distcp"))
     assert layout.resolve_last(view) == view / "global_step_2"
+    # A rank's view of the step it loads lists that step alone, and downloads no other rank's
+    # extra/ file (rank 5 of a larger run: rank 0's file is the one it reads).
+    mine = replica.open_view(f"{url}/global_step_2", rank=5)
+    assert [p.name for p in mine.parent.iterdir()] == ["global_step_2"]
+    assert [p.name for p in (mine / "extra").iterdir()] == ["rank_00000.pt"]
+    assert _objects.size_of(mine / "extra" / "rank_00001.pt")  # read by range if ever read
     kept = next(k for k in s3_server.objects(s3_bucket) if "global_step_2/model/__" in k)
     with _objects.open_read(view / kept.split("/", 1)[1]) as stream:
         stream.seek(100)

@@ -9,7 +9,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["JOB_ID_ENV", "alive_here", "describe_holder", "job_identity", "parse_holder"]
+__all__ = [
+    "JOB_ID_ENV",
+    "alive_here",
+    "describe_holder",
+    "displaceable",
+    "holder_record",
+    "job_identity",
+    "parse_holder",
+]
 
 JOB_ID_ENV = "LIGHTNING_MCORE_CKPT_JOB_ID"
 """Environment variable naming the job explicitly (it wins over what the scheduler sets)."""
@@ -70,3 +78,37 @@ def alive_here(holder: Mapping[str, Any]) -> bool:
         return same and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, ValueError, TypeError):
         return False
+
+
+def holder_record(job_id: str | None) -> dict[str, Any]:
+    """What a lock records of its holder: this process (host, pid, its start time), the job,
+    when, and a token of its own."""
+    import datetime
+    import socket
+    import uuid
+
+    import psutil
+
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "create_time": psutil.Process().create_time(),
+        "job_id": job_id,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "token": uuid.uuid4().hex,
+    }
+
+
+def displaceable(
+    holder: Mapping[str, Any], age: float, job_id: str | None, stale_after_s: float
+) -> str | None:
+    """Why a lock's holder may be displaced ("gone", "requeued", "stale"), or ``None``: on this
+    host, when its process no longer runs; held by this job (a requeue); else when its
+    heartbeat is ``stale_after_s`` old."""
+    import socket
+
+    if holder.get("host") == socket.gethostname():
+        return None if alive_here(holder) else "gone"
+    if job_id is not None and holder.get("job_id") == job_id:
+        return "requeued"
+    return "stale" if age >= stale_after_s else None

@@ -20,7 +20,6 @@ Every change of the file is atomic, and at most one process can make it:
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
@@ -38,6 +37,8 @@ from lightning_mcore_ckpt._holders import (
     JOB_ID_ENV,
     alive_here,
     describe_holder,
+    displaceable,
+    holder_record,
     job_identity,
     parse_holder,
 )
@@ -110,16 +111,8 @@ class DirectoryLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise ``RuntimeError`` naming the run that holds it."""
-        import psutil
 
-        record = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "create_time": psutil.Process().create_time(),
-            "job_id": self.job_id,
-            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "token": uuid.uuid4().hex,
-        }
+        record = holder_record(self.job_id)
         data = (json.dumps(record, indent=2) + "\n").encode()
         deadline = time.monotonic() + 2 * _CLAIM_WAIT_S
         while not self._create(self.path, data):
@@ -141,11 +134,7 @@ class DirectoryLock:
 
     def _displaceable(self, holder: Mapping[str, Any], age: float) -> str | None:
         """Why the holder may be displaced ("gone", "requeued", "stale"), or ``None``."""
-        if holder.get("host") == socket.gethostname():
-            return None if alive_here(holder) else "gone"
-        if self.job_id is not None and holder.get("job_id") == self.job_id:
-            return "requeued"
-        return "stale" if age >= self.stale_after_s else None
+        return displaceable(holder, age, self.job_id, self.stale_after_s)
 
     def _refusal(self, holder: Mapping[str, Any], age: float) -> str:
         return (

@@ -234,14 +234,13 @@ def is_precondition_failed(err: BaseException) -> bool:
     return str(code) in ("412", "PreconditionFailed", "ConditionalRequestConflict")
 
 
-class RangeReader(io.RawIOBase):
-    """A seekable, read-only file over one object: each read is a ranged GET."""
+class SeekableReader(io.RawIOBase):
+    """A read-only, seekable raw file of ``length`` bytes: subclasses implement ``readinto``
+    from ``_pos``."""
 
-    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self.store, self.object_name, self.size = store, name, size
-        self.name = store.child(name).url
-        self._pos = 0
+        self._length, self._pos = length, 0
 
     def readable(self) -> bool:
         return True
@@ -253,9 +252,18 @@ class RangeReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
         self._pos = max(0, base + offset)
         return self._pos
+
+
+class RangeReader(SeekableReader):
+    """A seekable, read-only file over one object: each read is a ranged GET."""
+
+    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+        super().__init__(size)
+        self.store, self.object_name, self.size = store, name, size
+        self.name = store.child(name).url
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
-import io
 import os
 import pickle
 from pathlib import Path
@@ -95,26 +94,12 @@ def read_dcp_metadata(directory: str | os.PathLike[str], *, trusted: bool = Fals
     return metadata
 
 
-class _Window(io.RawIOBase):
+class _Window(_objects.SeekableReader):
     """A read-only view of ``length`` bytes at ``offset`` of an open file."""
 
     def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
-        super().__init__()
-        self._f, self._start, self._length, self._pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
+        super().__init__(length)
+        self._f, self._start = f, offset
 
     def readinto(self, buffer: Any) -> int:
         size = max(0, min(len(buffer), self._length - self._pos))

@@ -3,19 +3,21 @@ conditional writes (see :class:`StoreLock`)."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from lightning_mcore_ckpt import _objects
-from lightning_mcore_ckpt._holders import alive_here, describe_holder, job_identity, parse_holder
+from lightning_mcore_ckpt._holders import (
+    describe_holder,
+    displaceable,
+    holder_record,
+    job_identity,
+    parse_holder,
+)
 from lightning_mcore_ckpt._objects import ObjectStore
 from lightning_mcore_ckpt.layout import LOCK_FILE
 
@@ -51,16 +53,7 @@ class StoreLock:
         self._stop: threading.Event | None = None
 
     def acquire(self) -> None:
-        import psutil
-
-        self._record = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "create_time": psutil.Process().create_time(),
-            "job_id": self.job_id,
-            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "token": uuid.uuid4().hex,
-        }
+        self._record = holder_record(self.job_id)
         data = json.dumps(self._record).encode()
         for _ in range(5):
             try:
@@ -99,11 +92,7 @@ class StoreLock:
         raise RuntimeError(f"{self.store.child(LOCK_FILE).url} keeps changing hands; try again")
 
     def _displaceable(self, holder: Mapping[str, Any], age: float) -> str | None:
-        if holder.get("host") == socket.gethostname():
-            return None if alive_here(holder) else "gone"
-        if self.job_id is not None and holder.get("job_id") == self.job_id:
-            return "requeued"
-        return "stale" if age >= self.stale_after_s else None
+        return displaceable(holder, age, self.job_id, self.stale_after_s)
 
     def heartbeat(self) -> None:
         if self._etag is None or self.lost is not None:

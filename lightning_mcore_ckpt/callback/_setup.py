@@ -123,7 +123,7 @@ def open_tier(trainer: pl.Trainer, tier: StoreTier | None, stage: str) -> None:
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
         raise RuntimeError(f"MegatronCheckpoint(dirpath={tier.store.url!r}): {problem}")
-    trainer.strategy.checkpoint_sources[str(tier.root)] = tier.resolve_last  # type: ignore[attr-defined]
+    trainer.strategy.checkpoint_sources[str(tier.root)] = tier  # type: ignore[attr-defined]
 
 
 def has_last(

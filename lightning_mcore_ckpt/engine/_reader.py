@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +75,9 @@ class CheckpointReader:
         """Shard files each rank reads at once."""
         self.verify_hashes = verify_hashes
         """Re-hash every file the load reads, against the digests of its commit."""
-        self.sources: dict[str, Callable[[tuple[str, ...] | None, bool], str | None]] = {}
-        """Local tiers of object-store dirpaths: how "last" of each is found (rank 0)."""
+        self.sources: dict[str, Any] = {}
+        """The local tiers of object-store dirpaths, and their stores: a ``resolve_last``
+        (how "last" is found, rank 0) and a ``store`` (where a step no longer here is read)."""
 
     def resolve(
         self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
@@ -113,12 +113,16 @@ class CheckpointReader:
         return path
 
     def _resolve(self, checkpoint_path: Any, reading: tuple[str, ...] | None) -> str:
-        source = self.sources.get(str(checkpoint_path))
-        if source is not None:  # a dirpath in an object store, with its local tier
-            found = source(reading, self.verify_hashes)
+        tier = self.sources.get(str(checkpoint_path))
+        if tier is not None:  # a dirpath in an object store, with its local tier
+            found = tier.resolve_last(reading, self.verify_hashes)
             if found is None:
                 raise FileNotFoundError(f"no complete checkpoint in {checkpoint_path} or its store")
-            return found
+            return str(found)
+        path = Path(checkpoint_path)
+        tier = self.sources.get(str(path.parent))
+        if tier is not None and not layout.is_complete(path):  # e.g. "best", staged out
+            return replica.resolve_url(tier.store.child(path.name).url, reading, self.verify_hashes)
         if _objects.is_url(checkpoint_path):
             _objects.require_client("ckpt_path", str(checkpoint_path))
             return replica.resolve_url(str(checkpoint_path), reading, self.verify_hashes)

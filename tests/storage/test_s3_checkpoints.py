@@ -76,8 +76,10 @@ def _fit(
         callbacks.append(
             MegatronCheckpoint(
                 url,
-                every_n_train_steps=EVERY,
-                max_to_keep=2,
+                every_n_train_steps=options.get("every", EVERY),
+                max_to_keep=options.get("max_to_keep", 2),
+                monitor=options.get("monitor"),
+                save_top_k=options.get("save_top_k"),
                 hf_export=HFExport(src),
                 upload_part_mb=5,
                 on_save_error=options.get("on_save_error", "raise"),
@@ -100,9 +102,18 @@ def _fit(
     )
     trainer.fit(module, train_dataloaders=loader(64, 2, shuffle=True), ckpt_path=ckpt_path)
     failed = callbacks[0].failed_saves if callbacks else 0
+    best = callbacks[0].best_model_path if callbacks else ""
+    if options.get("validate_best"):
+        trainer.validate(module, dataloaders=loader(8, 2), ckpt_path="best")
     loaded = getattr(loaded_from, "path", "")
     weights = {k: v.clone() for k, v in gathered_weights(trainer).items()}
-    return {"losses": losses, "weights": weights, "failed": failed, "loaded_from": loaded}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "failed": failed,
+        "loaded_from": loaded,
+        "best": best,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +406,23 @@ def test_a_server_restart_mid_save_is_retried(
     assert restarted.is_set()  # the server went down while step 2 was uploaded
     assert [r["failed"] for r in result] == [0, 0]
     assert _steps(s3_server.objects(s3_bucket)) == {"global_step_2": True}
+
+
+def test_top_k_runs_on_the_store_and_best_is_read_from_it(
+    s3_server: Any, s3_bucket: str, hf_source: Path
+) -> None:
+    url = f"s3://{s3_bucket}/run"
+    options = {"every": 1, "max_to_keep": None, "monitor": "train_loss", "save_top_k": 2}
+    options["validate_best"] = True
+    result = run_distributed(
+        _fit, 2, str(hf_source), url, 6, None, options, timeout=300, env=s3_server.env()
+    )[0]
+    best = Path(result["best"]).name
+    steps = _steps(s3_server.objects(s3_bucket))
+    # Lightning's bookkeeping decides (the best two, and the newest as "last"); the store
+    # follows it, marker first, and holds nothing else.
+    assert all(steps.values()) and "global_step_6" in steps and best in steps
+    assert 2 <= len(steps) <= 3, steps
+    # "best" is loaded from the store when the staging tier no longer holds it.
+    assert Path(result["loaded_from"]).name == best
+    assert ("lmc-view-" in result["loaded_from"]) == (best != "global_step_6")

@@ -47,6 +47,7 @@ from lightning_mcore_ckpt.layout import (
 
 __all__ = [
     "DURABILITY",
+    "newest_intact",
     "open_url_arguments",
     "open_view",
     "publish_step",
@@ -255,6 +256,40 @@ def open_view(url: str, *, rank: int | None = None) -> Path:
     return root if one is None else root / leaf
 
 
+def newest_intact(
+    store: ObjectStore, reading: Iterable[str] | None = None, deep: bool = False
+) -> Path | None:
+    """The view of the store's newest published, undamaged step, or ``None`` when it has none.
+
+    Newest first, each candidate's view lists and downloads that step alone: a resume does not
+    read the small files of every kept step. A damaged step is skipped with a warning naming
+    the file, as on disk (:func:`~lightning_mcore_ckpt.layout.resolve_last`).
+
+    Example::
+
+        newest_intact(ObjectStore.from_url("s3://ckpts/run1"))  # .../global_step_500, or None
+    """
+    from lightning_mcore_ckpt.layout import verify_step
+
+    published = sorted(published_steps(store), reverse=True)
+    tracked = _read_int(store.get_bytes(TRACKER_FILE))
+    if published and tracked != published[0]:  # a hint only: the listing decides
+        said = "is missing or unreadable" if tracked is None else f"names step {tracked}"
+        where = store.child(TRACKER_FILE).url
+        log.warning("%s %s; newest published step: %s", where, said, published[0])
+    for step in published:
+        view = open_view(store.child(f"global_step_{step}").url)
+        problems = verify_step(view, reading, deep)
+        if not problems:
+            return view
+        log.warning(
+            "skipping damaged %s: %s; trying the previous published step",
+            store.child(view.name).url,
+            problems[0],
+        )
+    return None
+
+
 def resolve_url(url: str, reading: Iterable[str] | None = None, deep: bool = False) -> str:
     """The step URL a load of ``url`` reads: ``url`` itself when it names a step (complete and
     undamaged, or ``FileNotFoundError``), else its newest published, undamaged step.
@@ -265,11 +300,19 @@ def resolve_url(url: str, reading: Iterable[str] | None = None, deep: bool = Fal
     """
     from lightning_mcore_ckpt.layout import resolve_checkpoint
 
-    view = open_view(url)
-    found = resolve_checkpoint(view, reading, deep)
-    if step_number(view.name) is not None:
+    store = ObjectStore.from_url(url)
+    if step_number(store.prefix.rsplit("/", 1)[-1]) is not None:
+        resolve_checkpoint(open_view(url), reading, deep)  # complete and undamaged, or raises
         return url
-    return f"{url.rstrip('/')}/{found.name}"
+    found = newest_intact(store, reading, deep)
+    if found is None:
+        steps = sorted(published_steps(store))
+        what = "every published step is damaged" if steps else "no published step"
+        raise FileNotFoundError(
+            f"{url}: {what} (published: {steps or 'none'}); `lightning-mcore-ckpt fsck {url}` "
+            "says what is wrong"
+        )
+    return store.child(found.name).url
 
 
 def upload_tree(local: Path, url: str) -> int:

@@ -147,8 +147,7 @@ class StoreTier:
         is read instead (the fast tier). With durability ``"local"``, the local tier's newest
         undamaged step wins when it is newer.
         """
-        view = replica.open_view(self.store.url)
-        found = layout.resolve_last(view, reading=reading, deep=deep)
+        found = replica.newest_intact(self.store, reading, deep)
         local = layout.resolve_last(self.root, reading=reading, deep=deep)
         if self.durability == "local" and local is not None:
             if found is None or (layout.step_number(local) or 0) > (layout.step_number(found) or 0):

@@ -316,6 +316,9 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     view = replica.open_view(url)
     assert not list(view.rglob("*.distcp"))
     assert layout.resolve_last(view) == view / "global_step_2"
+    assert replica.resolve_url(url) == f"{url}/global_step_2"  # ckpt_path="s3://..." loads it
+    with pytest.raises(FileNotFoundError, match="is damaged"):
+        replica.resolve_url(f"{url}/global_step_4")  # named explicitly: refused, not skipped
     # A rank's view of the step it loads lists that step alone, and downloads no other rank's
     # extra/ file (rank 5 of a larger run: rank 0's file is the one it reads).
     mine = replica.open_view(f"{url}/global_step_2", rank=5)

@@ -108,6 +108,8 @@ def publish_step(
             if present.get(key) != local.stat().st_size:
                 files[key] = local
     sent = {} if sent is None else sent
+    if not sent:  # objects an earlier, unfinished attempt at this step left (another layout)
+        store.delete([k for k in store.list(name) if k not in files])
     files = {k: p for k, p in files.items() if sent.get(k) != p.stat().st_size}
     total = 0
     with ThreadPoolExecutor(

@@ -82,6 +82,8 @@ def test_a_step_is_published_objects_first_then_its_marker_then_the_tracker(
 
     store = _store(s3_bucket)
     step = _committed_step(tmp_path, 3)
+    # An earlier attempt at step 3 (another layout) left an object the new save does not have.
+    store.put_bytes("global_step_3/extra/rank_00007.pt", b"stale")
     s3_server.faults(hold=rf"/{s3_bucket}/run/global_step_3/metadata\.json")
     done: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: done.update(replica.publish_step(store, step)))

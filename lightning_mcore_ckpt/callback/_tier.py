@@ -148,8 +148,10 @@ class StoreTier:
         undamaged step wins when it is newer.
         """
         found = replica.newest_intact(self.store, reading, deep)
-        local = layout.resolve_last(self.root, reading=reading, deep=deep)
-        if self.durability == "local" and local is not None:
+        local = None
+        if self.durability == "local":  # the local tier's own "last" counts too
+            local = layout.resolve_last(self.root, reading=reading, deep=deep)
+        if local is not None:
             if found is None or (layout.step_number(local) or 0) > (layout.step_number(found) or 0):
                 return str(local)
         if found is None:

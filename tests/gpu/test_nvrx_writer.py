@@ -6,6 +6,7 @@ installed; elsewhere the built-in writer is used and this test skips.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ pytestmark = [
 ]
 
 
-def build(async_save: bool = True) -> ResumeJob:
+def build(dirpath: str, async_save: bool = True) -> ResumeJob:
     import lightning.pytorch as pl
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -44,7 +45,9 @@ def build(async_save: bool = True) -> ResumeJob:
         accelerator="gpu",
         devices=1,
         max_steps=100,
-        callbacks=[MegatronCheckpoint("unused", every_n_train_steps=2)],
+        # check_resume points it at each run's own directory; this one (under the test's
+        # tmp_path) is never written.
+        callbacks=[MegatronCheckpoint(dirpath, every_n_train_steps=2)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -58,7 +61,7 @@ def build(async_save: bool = True) -> ResumeJob:
 
 def test_async_saves_through_nvrx_resume_exactly(tmp_path: Path) -> None:
     report = check_resume(
-        build,
+        functools.partial(build, str(tmp_path / "job")),
         stop_at=4,
         max_steps=7,
         how=("sigterm", "kill"),

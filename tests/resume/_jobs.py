@@ -182,6 +182,8 @@ def build(
     unsaved_state: bool = False,
     clock_seed: bool = False,
 ) -> Any:
+    import tempfile
+
     from lightning_mcore_ckpt import MegatronCheckpoint, ResumeJob
 
     pl.seed_everything(time.time_ns() % 2**31 if clock_seed else 0, verbose=False)
@@ -227,7 +229,12 @@ def build(
         max_steps=100,
         accumulate_grad_batches=accumulate,
         precision="32" if precision == "megatron-bf16" else precision,
-        callbacks=[*callbacks, MegatronCheckpoint("unused", **callback_kwargs)],
+        # check_resume points the callback at each run's own directory before fit: this
+        # placeholder, outside the checkout, is never written.
+        callbacks=[
+            *callbacks,
+            MegatronCheckpoint(f"{tempfile.gettempdir()}/lmc-job-placeholder", **callback_kwargs),
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

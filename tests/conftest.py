@@ -1,7 +1,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 # Rank functions import helpers that live next to the tests (e.g. tests/distributed/_trainer.py).
 _HERE = os.path.dirname(__file__)
@@ -12,3 +17,90 @@ _HELPERS = [
 sys.path[:0] = _HELPERS
 os.environ["PYTHONPATH"] = os.pathsep.join([*_HELPERS, os.environ.get("PYTHONPATH", "")])
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+# --- a session leaves nothing in the checkout ----------------------------------------------
+# Tests write under their tmp_path. A file that a session adds to the repository (untracked or
+# ignored, and not there when it started) fails the run, named in the summary. Not counted:
+# Python's and the tools' caches, the environments, and new .py/.md files (an edit made while
+# the suite ran, not a test's output). Not checked where the tests are not a git checkout's.
+
+_ROOT = Path(_HERE).resolve().parent
+_NOT_COUNTED_DIRS = ("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis")
+_SOURCES = (".py", ".md")
+_ALL_UNTRACKED = ("--untracked-files=all", "--ignored")  # every file, also in ignored dirs
+_BEFORE = pytest.StashKey[set[tuple[str, str]]]()
+_LEFT = pytest.StashKey[list[str]]()
+
+
+def checkout_files(root: Path) -> set[tuple[str, str]] | None:
+    """The untracked (``??``) and ignored (``!!``) files of the git checkout ``root``, as
+    ``(status, path)``; ``None`` where ``root`` is not the top of a git checkout."""
+    try:
+        top = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+            return None
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain=v1", "-z", *_ALL_UNTRACKED],
+            capture_output=True,
+            check=True,
+            timeout=300,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    entries = status.stdout.decode("utf-8", "surrogateescape").split("\0")
+    return {(e[:2], e[3:]) for e in entries if e[:2] in ("??", "!!")}
+
+
+def left_behind(before: set[tuple[str, str]], after: set[tuple[str, str]]) -> list[str]:
+    """The files in ``after`` and not in ``before`` that count (see above), sorted."""
+    before_paths = {path for _, path in before}
+    left = []
+    for status, path in after:
+        parts = path.split("/")
+        if path in before_paths or any(p in _NOT_COUNTED_DIRS for p in parts):
+            continue
+        if parts[0].startswith(".venv") or any(p.endswith(".egg-info") for p in parts):
+            continue
+        if status == "??" and path.endswith(_SOURCES):
+            continue
+        left.append(path)
+    return sorted(left)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # pytest-xdist: the controller checks
+        before = checkout_files(_ROOT)
+        if before is not None:
+            session.config.stash[_BEFORE] = before
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_BEFORE, None)
+    after = checkout_files(_ROOT) if before is not None else None
+    if before is None or after is None:
+        return
+    left = left_behind(before, after)
+    if left:
+        session.config.stash[_LEFT] = left
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    left = config.stash.get(_LEFT, None)
+    if left:
+        terminalreporter.section("files left in the checkout", red=True)
+        terminalreporter.write_line(
+            f"FAILED: the tests left {len(left)} new file(s) in {_ROOT}; a test writes under its "
+            "tmp_path (a Trainer: default_root_dir=tmp_path, or logger=False):"
+        )
+        for path in left[:100]:
+            terminalreporter.write_line(f"  {path}")
+        if len(left) > 100:
+            terminalreporter.write_line(f"  ... and {len(left) - 100} more")

@@ -9,6 +9,7 @@ newest megatron-core this Python can run. Needs the package registry.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,15 @@ def _resolve(wheel: Path, report: Path, *args: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a copy of what the wheel is made of: setuptools builds inside the source tree
+    # (build/), and a test writes only under its temporary directories.
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    package = "lightning_mcore_ckpt"
+    shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
-    _pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(ROOT))
+    _pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(src))
     (built,) = out.glob("lightning_mcore_ckpt-*.whl")
     return built
 

@@ -1,15 +1,25 @@
 """Runs of a real Trainer with a fault injected at a chosen point (runs inside each rank).
 
 Faults are injected where they happen in real life: SIGKILL of the rank process from inside
-the shard writer (which runs in forked processes for async saves), from the commit thread, or
-from the middle of a directory removal; OSErrors raised by the lowest-level file writes.
+the shard writer (a thread of the rank; with ``writer="megatron"``, Megatron-Core's writer, a
+process forked per async save), from the commit thread, or from the middle of a directory
+removal; OSErrors raised by the lowest-level file writes; a preemption signal sent to the rank
+while its shard writer is held at a chosen point.
+
+What a fault did is appended to ``fault_events.jsonl`` in the run's directory (one JSON object
+a line: the event, the wall-clock time, the rank and the process), so that a test can tell
+when it struck: ``fired`` (an error raised), and for a signal ``sent``, ``caught`` (by the
+rank's preemption handler), ``agreed`` (every rank learnt of it), ``released`` (the writer
+goes on) or ``not released`` (it waited 60 s in vain, then went on).
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
+import select
 import shutil
 import signal
 import time
@@ -24,32 +34,64 @@ MAX_STEPS = 6
 FAULT_STEP = 4
 """The save that is interrupted (the save at step 2 before it succeeds)."""
 
+HOLD_S = 60.0
+"""How long a held writer waits for its release before it goes on anyway."""
+EVENTS_FILE = "fault_events.jsonl"
+
 _RANK_PID = 0
+_EVENTS: Path | None = None
 
 
 def _die() -> None:
-    # The rank process, also when called from a writer process it forked.
+    # The rank process; called from a writer process it forked, that one too (the node died).
     os.kill(_RANK_PID, signal.SIGKILL)
+    if os.getpid() != _RANK_PID:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _record(event: str, rank: int) -> None:
+    """Append ``event`` to the run's ``fault_events.jsonl`` (any process of the rank)."""
+    if _EVENTS is None:
+        return
+    line = {"event": event, "at": time.time(), "rank": rank, "pid": os.getpid()}
+    _EVENTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(_EVENTS, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """What the faults of the run in ``run_dir`` did, in order (see the module docstring)."""
+    path = Path(run_dir, EVENTS_FILE)
+    if not path.exists():
+        return []
+    return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda e: e["at"])
 
 
 def _target(path: Any, sub: str = "") -> bool:
     return f"global_step_{FAULT_STEP}/{sub}" in str(path)
 
 
-def inject(fault: str | None, rank: int) -> Callable[[], None]:
+def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Callable[[], None]:
     """Arm ``fault`` (``"<point>:<action>@<rank>"``, rank optional) in this rank's process.
 
     Returns what disarms it. Actions: ``kill`` (SIGKILL of the rank), ``unpicklable``, ``slow``
-    (a 4 s pause, then the real call), ``once-<ERRNO>`` (that error the first time only), or an
-    errno name (that ``OSError`` every time).
+    (a 4 s pause, then the real call), ``once-<ERRNO>`` (that error the first time only), an
+    errno name (that ``OSError`` every time), or ``<SIGNAL>><until>`` (``SIGTERM>caught``: the
+    first time, send that signal to the rank process, then hold there until the rank's
+    preemption handler has ``caught`` it, or until every rank ``agreed`` to stop; at most
+    :data:`HOLD_S`). ``events_to``: where the events go (see the module docstring).
     """
-    global _RANK_PID
+    global _RANK_PID, _EVENTS
     _RANK_PID = os.getpid()
+    _EVENTS = events_to
     patched: list[tuple[Any, str, Any]] = []
+    closing: list[int] = []
 
     def undo() -> None:
         for owner, name, original in reversed(patched):
             setattr(owner, name, original)
+        for fd in closing:
+            os.close(fd)
 
     def patch(owner: Any, name: str, replacement: Any) -> None:
         patched.append((owner, name, owner.__dict__[name]))
@@ -62,6 +104,7 @@ def inject(fault: str | None, rank: int) -> Callable[[], None]:
         return undo
     point, _, action = point_action.partition(":")
     fired: list[bool] = []
+    hold = _signal_and_hold(action, rank, patch, closing) if action.startswith("SIG") else None
 
     def act() -> None:
         if action == "kill":
@@ -69,10 +112,14 @@ def inject(fault: str | None, rank: int) -> Callable[[], None]:
         if action == "slow":
             time.sleep(4)
             return
+        if hold is not None:
+            hold()
+            return
         if action.startswith("once-"):
             if fired:
                 return
             fired.append(True)
+        _record("fired", rank)
         if action == "unpicklable":
             import pickle
 
@@ -165,6 +212,62 @@ def inject(fault: str | None, rank: int) -> Callable[[], None]:
     return undo
 
 
+def _signal_and_hold(
+    action: str, rank: int, patch: Callable[[Any, str, Any], None], closing: list[int]
+) -> Callable[[], None]:
+    """For ``<SIGNAL>><until>``: what sends the signal and holds the caller until released.
+
+    The first caller only, in whichever thread or process: it takes the one token of a pipe.
+    The token and the release travel through pipes made here, before any writer process is
+    forked, so that they reach a writer thread of the rank and a writer process it forked alike
+    (``fd``s are closed by ``closing``'s owner).
+    """
+    name, _, until = action.partition(">")
+    signum = signal.Signals[name]
+    if until not in ("caught", "agreed"):
+        raise ValueError(f"{action!r}: hold until 'caught' or 'agreed', not {until!r}")
+    from lightning_mcore_ckpt.callback import _preemption
+
+    release_r, release_w = os.pipe()
+    token_r, token_w = os.pipe()
+    os.write(token_w, b"t")
+    os.set_blocking(token_r, False)
+    closing += [release_r, release_w, token_r, token_w]
+    preemption = _preemption.Preemption
+    original_on_signal = preemption.__dict__["_on_signal"]
+    original_poll = preemption.__dict__["poll"]
+
+    def on_signal(self: Any, caught: int, frame: Any) -> None:
+        original_on_signal(self, caught, frame)
+        _record("caught", rank)
+        if until == "caught":
+            os.write(release_w, b"x")
+
+    def poll(self: Any) -> bool:
+        agreed = bool(original_poll(self))
+        if agreed:
+            _record("agreed", rank)
+            if until == "agreed":
+                os.write(release_w, b"x")
+        return agreed
+
+    # Installed as the handler at fit's start (a bound method of the patched class).
+    patch(preemption, "_on_signal", on_signal)
+    patch(preemption, "poll", poll)
+
+    def hold() -> None:
+        try:
+            os.read(token_r, 1)
+        except BlockingIOError:  # another thread or process took it
+            return
+        _record("sent", rank)
+        os.kill(_RANK_PID, signum)  # a real signal to the rank process, as a scheduler sends
+        ready, _, _ = select.select([release_r], [], [], HOLD_S)
+        _record("released" if ready else "not released", rank)
+
+    return hold
+
+
 def train(
     rank: int, world_size: int, tmp: str, fault: str | None = None, options: Any = None
 ) -> dict[str, Any]:
@@ -191,16 +294,19 @@ def run(
     steal_lock_at: int | None = None,
     slurm_job: str | None = None,
     auto_requeue: bool | None = None,
+    writer: str = "threads",
 ) -> dict[str, Any]:
     """One run; returns where it started and ended, its losses and its gathered weights.
 
+    ``writer``: ``MegatronStrategy(ckpt_writer=...)``, our shard writer (``"threads"``) or
+    Megatron-Core's (``"megatron"``).
     ``raise_at=(step, rank)``: a training error after that step on that rank (``None``: every
     rank). ``group_timeout_s``: the process group's timeout (a hang becomes an error then).
     ``slurm_job``: run as task ``rank`` of that SLURM job (srun's variables), so that Lightning
     detects SLURM; ``auto_requeue``: pass ``SLURMEnvironment(auto_requeue=...)`` explicitly.
     """
     options = dict(locals())
-    undo = inject(fault, rank)
+    undo = inject(fault, rank, Path(tmp, EVENTS_FILE))
     try:
         return _run(**options)
     finally:
@@ -224,6 +330,7 @@ def _run(
     steal_lock_at: int | None,
     slurm_job: str | None,
     auto_requeue: bool | None,
+    writer: str,
     **_: Any,
 ) -> dict[str, Any]:
     import datetime
@@ -266,6 +373,7 @@ def _run(
         MegatronStrategy(
             tensor_model_parallel_size=tp,
             ckpt_async_save=async_save,
+            ckpt_writer=writer,
             **({"timeout": datetime.timedelta(seconds=group_timeout_s)} if group_timeout_s else {}),
         ),
         world_size,
@@ -362,7 +470,8 @@ def run_cases(
 ) -> dict[str, dict[str, Any]]:
     """Several runs in the same processes, one per ``(case id, fault, options)``, each in its own
     directory: what each raised (type, message, seconds from the fault's save step) or how it
-    ended. A case that hangs on any rank fails them all (the launcher's timeout)."""
+    ended. ``raised_at``: the wall-clock time it raised (compare with :func:`events`). A case
+    that hangs on any rank fails them all (the launcher's timeout)."""
     outcomes: dict[str, dict[str, Any]] = {}
     for case, fault, options in cases:
         started = time.monotonic()
@@ -373,6 +482,7 @@ def run_cases(
                 "raised": type(err).__name__,
                 "message": str(err),
                 "seconds": time.monotonic() - started,
+                "raised_at": time.time(),
             }
         else:
             outcomes[case] = {"raised": None, "end": result["end"]}

@@ -4,6 +4,11 @@ under SLURM with Lightning's auto-requeue, the job is requeued once, after that 
 Real processes get real signals (``signal_at`` in _faulty.py) and, for SLURM, srun's variables,
 so that Lightning itself detects SLURM and installs its requeue handler. ``scontrol`` is a fake,
 first on PATH, that records how it was called and what the checkpoint directory held then.
+
+A signal also lands in the middle of a save: the rank's shard writer (a thread of ours, or
+Megatron-Core's writer, a forked process when asynchronous) sends it while it writes the model's
+shards and is held there until the rank caught it (a sync save) or until every rank agreed to
+stop (an async write still in flight when the preemption save begins).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _faulty import listing, same_run, train
+from _faulty import FAULT_STEP, events, listing, same_run, train
 
 from lightning_mcore_ckpt import MegatronCheckpoint, layout
 from lightning_mcore_ckpt.testing import run_distributed
@@ -80,10 +85,12 @@ def _calls(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def _assert_preempted(results: list[dict[str, Any]], signum: int, environment: str) -> None:
+def _assert_preempted(
+    results: list[dict[str, Any]], signum: int, environment: str, at: int = PREEMPTED_AT
+) -> None:
     for r in results:
         assert r["environment"] == environment  # Lightning saw (or did not see) SLURM
-        assert r["end"] == PREEMPTED_AT  # every rank stopped after the same step, no error
+        assert r["end"] == at  # every rank stopped after the same step, no error
         assert r["preempted"] is True
         assert r["preemption_signal"] == signal.Signals(signum).name
         assert r["exit_code"] == MegatronCheckpoint.PREEMPTED_EXIT_CODE == 143
@@ -167,3 +174,49 @@ def test_slurm_preemption_without_requeue_signal_or_auto_requeue_only_saves(
     _assert_preempted(stopped, signum, "SLURMEnvironment")
     _assert_saved_without_hpc(run)
     assert _calls(log) == []
+
+
+# (async save, writer, the rank that gets the signal): every pair of the three axes once.
+DURING_A_SAVE = [
+    (False, "threads", 1),
+    (True, "threads", 0),
+    (False, "megatron", 0),
+    (True, "megatron", 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("async_save", "writer", "rank"),
+    DURING_A_SAVE,
+    ids=[f"{'async' if a else 'sync'}-{w}-rank{r}" for a, w, r in DURING_A_SAVE],
+)
+def test_a_signal_during_a_save_stops_cleanly_after_the_next_step(
+    tmp_path: Path, async_save: bool, writer: str, rank: int, reference: dict[str, Any]
+) -> None:
+    run = tmp_path / "run"
+    options = {**TP2, "async_save": async_save, "writer": writer, "max_to_keep": None}
+    # SIGTERM reaches one rank while its writer writes step 4's model shards; the writer is
+    # held until the rank caught it (sync), or until every rank agreed to stop (async: the
+    # preemption save begins with step 4's write still in flight).
+    until = "agreed" if async_save else "caught"
+    fault = f"model_shards:SIGTERM>{until}@{rank}"
+    stopped = run_distributed(train, 2, str(run), fault, options, timeout=250)
+    happened = [e["event"] for e in events(run)]
+    if async_save:
+        assert happened == ["sent", "caught", "agreed", "released"], happened
+    else:
+        assert happened == ["sent", "caught", "released", "agreed"], happened
+    # Every rank finished step 5 (the step after the signal), saved it and ended cleanly.
+    _assert_preempted(stopped, signal.SIGTERM, "LightningEnvironment", at=FAULT_STEP + 1)
+    assert listing(run) == ["global_step_2", f"global_step_{FAULT_STEP}", "global_step_5", TRACKER]
+    for step in (2, FAULT_STEP, 5):
+        assert layout.verify_step(layout.step_dir(run / "ckpt", step)) == []
+    interrupted = layout.read_metadata(layout.step_dir(run / "ckpt", FAULT_STEP))
+    assert interrupted is not None and interrupted["async"] is async_save
+    preempted = layout.read_metadata(layout.step_dir(run / "ckpt", 5))
+    assert preempted is not None and preempted["async"] is False
+    assert layout.read_tracker(run / "ckpt") == 5
+    resumed = run_distributed(train, 2, str(run), None, options, timeout=250)
+    same_run(resumed[0], reference, 5)
+    same_run(resumed[1], reference, 5)
+    _assert_not_preempted(resumed)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
+    from lightning_mcore_ckpt.errors import ConfigurationError
     from lightning_mcore_ckpt.hf import HFExport
     from lightning_mcore_ckpt.resume_check import ResumeJob, ResumeReport, check_resume
     from lightning_mcore_ckpt.sampler import ElasticSampler
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointSaveError",
+    "ConfigurationError",
     "ElasticSampler",
     "HFExport",
     "MegatronCheckpoint",
@@ -42,6 +44,7 @@ __all__ = [
 
 _LAZY = {
     "CheckpointSaveError": "lightning_mcore_ckpt.engine",
+    "ConfigurationError": "lightning_mcore_ckpt.errors",
     "ElasticSampler": "lightning_mcore_ckpt.sampler",
     "HFExport": "lightning_mcore_ckpt.hf",
     "MegatronCheckpoint": "lightning_mcore_ckpt.callback",

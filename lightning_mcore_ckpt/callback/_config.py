@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import _objects
 from lightning_mcore_ckpt._objects import ObjectStore
+from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.replica import DURABILITY
 
 if TYPE_CHECKING:
@@ -27,8 +28,8 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _DEFAULTS = {"local_dir": None, "durability": "store"}
 
 
-def _fail(name: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"MegatronCheckpoint({name}={value!r}): {why}")
+def _fail(name: str, value: Any, why: str) -> ConfigurationError:
+    return ConfigurationError(f"MegatronCheckpoint({name}={value!r}): {why}")
 
 
 def _check_count(name: str, value: Any, *, zero_disables: bool) -> None:
@@ -121,6 +122,15 @@ class CheckpointConfig:
     auto-requeue, its requeue signal also requeues the job, once the step is committed.
     ``MegatronCheckpoint.preempted`` and ``exit_code`` tell the script. ``False``: Lightning's
     own handling (its SLURM handler saves an ``hpc_ckpt`` from inside the signal handler)."""
+    save_on_exception: bool = False
+    """Lightning's option to save when training raises: only ``False`` is accepted (its default).
+    A step is written by every rank together, and an exception reaches the ranks at different
+    points, or one rank only: a save started from it would wait forever for the ranks it did not
+    reach. Nor is the state at an arbitrary exception a step that resumes exactly (a batch drawn
+    and not trained on, a save half written), and ``"last"`` would resume from it. What is not
+    lost without it: a step whose write had finished still commits when training fails;
+    ``save_on_preemption`` saves on SIGTERM/SIGUSR1; ``every_n_train_steps`` or
+    ``train_time_interval`` bound the work a crash can cost."""
     save_on_train_epoch_end: bool | None = None
     """As in Lightning: with ``every_n_epochs``, save at the end of the training epoch
     (``True``) or after validation (``False``); ``None`` decides as Lightning does."""
@@ -166,13 +176,25 @@ class CheckpointConfig:
         self._check_one_cadence()
         self._check_contents()
         self._check_ranking()
-        for name in ("save_last", "restore_dataloader", "save_on_preemption", "overwrite"):
+        names = ("save_last", "restore_dataloader", "save_on_preemption", "save_on_exception")
+        for name in (*names, "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 hint = (
                     " ('link' is not supported: steps are directories)" if value == "link" else ""
                 )
                 raise _fail(name, value, f"must be True/False{hint}")
+        if self.save_on_exception:
+            raise _fail(
+                "save_on_exception",
+                True,
+                "is not supported: a step is written by every rank together, and an exception "
+                "reaches the ranks at different points (or one rank only), where a save would "
+                "wait forever for the others; nor would the state it saved resume exactly. "
+                "Steps whose write had finished still commit when training fails; "
+                "save_on_preemption=True saves on SIGTERM/SIGUSR1; save more often with "
+                "every_n_train_steps or train_time_interval. Pass save_on_exception=False",
+            )
         if self.on_save_error not in ("raise", "warn"):
             raise _fail(
                 "on_save_error",
@@ -257,7 +279,7 @@ class CheckpointConfig:
             if on
         ]
         if len(active) > 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronCheckpoint: {' and '.join(active)} are both set, but a run saves on "
                 "one cadence; keep one of them (set the others to None or 0; use two callbacks "
                 "with different dirpaths for two cadences)"

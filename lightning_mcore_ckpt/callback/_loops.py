@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from lightning_mcore_ckpt.errors import ConfigurationError
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -92,7 +94,7 @@ def refuse_unresumable_loader(trainer: pl.Trainer, dirpath: str, resumed_step: i
         return
     plain = [type(dl).__name__ for dl in loader.flattened if not isinstance(dl, _Stateful)]
     if plain:
-        raise ValueError(
+        raise ConfigurationError(
             f"MegatronCheckpoint(dirpath={dirpath!r}): step {resumed_step} was saved inside an "
             f"epoch (after {done} of its {trainer.num_training_batches} batches), but the "
             f"train dataloader ({', '.join(plain)}) cannot restore its position: the rest "
@@ -126,7 +128,7 @@ def check_data_parallel_change(
     from lightning_mcore_ckpt.sampler import is_elastic_state
 
     if not all(is_elastic_state(s) for s in loader_states):
-        raise ValueError(
+        raise ConfigurationError(
             f"checkpoint {source.get('path')} was saved with data-parallel size {saved_dp}, "
             f"this run has {current_dp}: its dataloader positions are per rank and cannot "
             "be mapped. Use lightning_mcore_ckpt.ElasticSampler (continues at the exact next "

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt import layout, metrics
 from lightning_mcore_ckpt._lock import DirectoryLock
 from lightning_mcore_ckpt._store_lock import StoreLock
+from lightning_mcore_ckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -60,7 +61,7 @@ def refuse_another_runs_steps(trainer: pl.Trainer, root: Path, tier: StoreTier |
         problem = _another_run(root, steps[-1].path.name) if steps else None
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
-        raise ValueError(problem)
+        raise ConfigurationError(problem)
 
 
 def _another_run(root: Path, newest: str) -> str:
@@ -83,7 +84,7 @@ def refuse_uploading_loggers(loggers: Iterable[Any], dirpath: str) -> None:
     for logger in loggers:
         value = getattr(logger, "_log_model", False)
         if value:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{type(logger).__name__}(log_model={value!r}): Lightning's loggers upload "
                 "checkpoint files, but MegatronCheckpoint writes each step as a directory of "
                 "shards, which they skip: nothing would be uploaded. Pass log_model=False; the "
@@ -139,7 +140,7 @@ def has_last(
 
     missing = [c for c in ("optimizer", "extra") if c not in contents]
     if missing and trainer.state.fn == TrainerFn.FITTING:
-        raise ValueError(
+        raise ConfigurationError(
             f"MegatronCheckpoint(save_contents={list(contents)!r}): "
             f'fit(ckpt_path="last") resumes training, which needs {missing} in every step. '
             "Add them to save_contents, or start a new run from the weights with "

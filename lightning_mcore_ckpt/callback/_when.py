@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.callback import _loops
 from lightning_mcore_ckpt.callback._preemption import PREEMPTED_EXIT_CODE, Preemption
+from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ class StepTriggers(ModelCheckpoint):
         finally:
             self._in_batch_end = False
         if self._defer_save_until_validation and not _loops.validation_enabled(trainer):
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronCheckpoint(monitor={self.monitor!r}): no such metric was logged, and "
                 "no validation runs to log it; logged metrics are "
                 f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, "

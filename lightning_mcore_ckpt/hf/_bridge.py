@@ -88,7 +88,9 @@ class HFBridge:
         model_type = raw.get("model_type")
         supported = supported_model_types()
         if model_type not in supported:
-            raise ValueError(
+            from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning
+
+            raise ConfigurationError(
                 f"{argument}: {path} has model_type={model_type!r}, which mbridge does not "
                 f"convert; supported model types: {', '.join(supported)}"
             )

@@ -90,9 +90,11 @@ class HFExport:
     adapters: Literal["merged", "peft"] = "merged"
 
     def __post_init__(self) -> None:
+        from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
+
         _adapters.check_adapters_args(self.adapters, None, "HFExport")
         if self.head not in _heads.HEAD_ARG_CHOICES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"HFExport(head={self.head!r}): use one of {list(_heads.HEAD_ARG_CHOICES)} "
                 "('auto': what the checkpoint's output layer is)"
             )
@@ -100,13 +102,13 @@ class HFExport:
             args = (self.upload_to, self.private, self.upload_attempts, self.upload_timeout_s)
             check_upload_options(*args, where="HFExport")
         if self.when not in WHEN:
-            raise ValueError(
+            raise ConfigurationError(
                 f"HFExport(when={self.when!r}): use one of {list(WHEN)} ('end': one export when "
                 "fit ends; 'every_save': into every step; 'never')"
             )
         writable = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
         if self.dtype is not None and self.dtype not in writable:
-            raise ValueError(
+            raise ConfigurationError(
                 f"HFExport(dtype={self.dtype!r}): pass one of "
                 f"{', '.join(str(d) for d in writable)}, or None for the checkpoint's dtype"
             )

@@ -80,15 +80,17 @@ def check_upload_options(
 
         check_upload_options("my-org/qwen-sft", True, 3, 3600.0, where="HFExport")
     """
+    from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
+
     if not isinstance(upload_to, str) or not _REPO_ID.match(upload_to) or ".." in upload_to:
-        raise ValueError(
+        raise ConfigurationError(
             f"{where}(upload_to={upload_to!r}): pass a Hub model repository as 'org/name' (or "
             "'user/name'): letters, digits, '-', '_' and '.', one '/', e.g. 'my-org/qwen-sft'"
         )
     if not isinstance(private, bool):
-        raise ValueError(f"{where}(private={private!r}): pass True or False")
+        raise ConfigurationError(f"{where}(private={private!r}): pass True or False")
     if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"{where}(upload_attempts={attempts!r}): pass an int >= 1 (attempts before an "
             "upload is reported failed; 1: no retry)"
         )
@@ -98,7 +100,7 @@ def check_upload_options(
         or not math.isfinite(timeout_s)
         or timeout_s < 0
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"{where}(upload_timeout_s={timeout_s!r}): pass a finite number of seconds >= 0 "
             "that the end of fit waits for an upload in flight"
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
+from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.layout import MODEL_DIR
 
 __all__ = ["OPTIMIZER_SHARDINGS", "WRITERS", "StrategyConfig"]
@@ -22,7 +23,7 @@ WRITERS = ("threads", "megatron")
 
 def _check_size(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"MegatronStrategy({name}={value!r}): must be a positive int")
+        raise ConfigurationError(f"MegatronStrategy({name}={value!r}): must be a positive int")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,8 +31,9 @@ class StrategyConfig:
     """Every option of :class:`~lightning_mcore_ckpt.MegatronStrategy`, validated.
 
     ``MegatronStrategy(**options)`` builds one from its keyword arguments (same names and
-    defaults) and keeps it as ``strategy.config``. A bad value raises ``ValueError`` naming the
-    argument, the value and the fix.
+    defaults) and keeps it as ``strategy.config``. A bad value raises
+    :class:`~lightning_mcore_ckpt.ConfigurationError` (a ``ValueError`` and Lightning's
+    ``MisconfigurationException``) naming the argument, the value and the fix.
 
     Example::
 
@@ -124,27 +126,29 @@ class StrategyConfig:
         ):
             flag = getattr(self, name)
             if not isinstance(flag, bool):
-                raise ValueError(f"MegatronStrategy({name}={flag!r}): must be True or False")
+                raise ConfigurationError(
+                    f"MegatronStrategy({name}={flag!r}): must be True or False"
+                )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError(
+            raise ConfigurationError(
                 "MegatronStrategy(sequence_parallel=True) needs tensor_model_parallel_size > 1; "
                 "set sequence_parallel=False or raise tensor_model_parallel_size"
             )
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"MegatronStrategy(seed={seed!r}): must be a non-negative int")
+            raise ConfigurationError(f"MegatronStrategy(seed={seed!r}): must be a non-negative int")
         if self.ckpt_optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronStrategy(ckpt_optimizer_sharding={self.ckpt_optimizer_sharding!r}): "
                 f"use one of {', '.join(map(repr, OPTIMIZER_SHARDINGS))}"
             )
         if self.ckpt_writer not in WRITERS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronStrategy(ckpt_writer={self.ckpt_writer!r}): "
                 f"use one of {', '.join(map(repr, WRITERS))}"
             )
         if self.ckpt_dedup and self.ckpt_writer != WRITERS[0]:
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronStrategy(ckpt_dedup=True, ckpt_writer={self.ckpt_writer!r}): dedup is "
                 "done by our shard writer; use ckpt_writer='threads' (the default) with it"
             )
@@ -152,12 +156,12 @@ class StrategyConfig:
             if getattr(self, name) is not None:
                 _check_size(name, getattr(self, name))
         if self.process_group_backend not in (None, "nccl", "gloo"):
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "
                 "use 'nccl', 'gloo' or None (nccl with CUDA, gloo without)"
             )
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronStrategy(timeout={self.timeout!r}): pass a positive "
                 "datetime.timedelta, e.g. datetime.timedelta(minutes=30)"
             )
@@ -169,7 +173,7 @@ class StrategyConfig:
         source = Path(init_from).expanduser()
         if not ((source / "config.json").is_file() or (source / MODEL_DIR).is_dir()):
             what = "does not exist" if not source.exists() else "has neither"
-            raise ValueError(
+            raise ConfigurationError(
                 f"MegatronStrategy(init_from={str(init_from)!r}): {what} config.json (a "
                 f"Hugging Face model directory) nor {MODEL_DIR}/ (a step directory); pass "
                 "one of those"

@@ -1,14 +1,31 @@
-"""MegatronCheckpoint rejects bad arguments at construction, naming the argument and the fix."""
+"""MegatronCheckpoint rejects bad arguments at construction, naming the argument and the fix.
+
+Each refusal is a ``ConfigurationError``: a ``ValueError`` and Lightning's
+``MisconfigurationException`` (what Lightning's ``ModelCheckpoint`` raises for the same
+conditions), so that code written for either catches it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mcore_ckpt import MegatronCheckpoint
+
+
+@contextlib.contextmanager
+def refused(match: str) -> Iterator[None]:
+    """The block raises an error matching ``match`` that is both a ``ValueError`` and Lightning's
+    ``MisconfigurationException``."""
+    with pytest.raises(MisconfigurationException, match=match) as caught:
+        yield
+    assert isinstance(caught.value, ValueError), type(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -34,18 +51,30 @@ from lightning_mcore_ckpt import MegatronCheckpoint
         ({"save_top_k": 2}, r"save_top_k=2\): without a monitor there is nothing to rank"),
         ({"save_last": "link"}, r"save_last='link'\): must be True/False \('link' is not"),
         ({"every_n_train_steps": 5, "train_time_interval": datetime.timedelta(seconds=1)}, r"both"),
+        (
+            {"save_on_exception": True},
+            r"save_on_exception=True\): is not supported: a step is written by every rank "
+            r"together.*save_on_preemption=True.*Pass save_on_exception=False",
+        ),
+        ({"save_on_exception": "yes"}, r"save_on_exception='yes'\): must be True/False"),
     ],
 )
 def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with refused(match):
         MegatronCheckpoint(tmp_path / "ckpt", **kwargs)
     assert not (tmp_path / "ckpt").exists()  # nothing was created
+
+
+def test_save_on_exception_false_is_lightnings_default_and_accepted(tmp_path: Path) -> None:
+    # A config ported from Lightning that spells out the default keeps working.
+    callback = MegatronCheckpoint(tmp_path / "ckpt", save_on_exception=False)
+    assert callback.save_on_exception is False and callback.config.save_on_exception is False
 
 
 def test_dirpath_that_is_a_file_is_refused(tmp_path: Path) -> None:
     f = tmp_path / "ckpt"
     f.write_text("x")
-    with pytest.raises(ValueError, match=r"it is a file, not a directory"):
+    with refused(r"it is a file, not a directory"):
         MegatronCheckpoint(f)
 
 
@@ -55,7 +84,7 @@ def test_url_dirpath_is_refused_and_nothing_is_created(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     match = rf"dirpath='{url}'\): only local directories and s3://bucket/prefix are supported"
-    with pytest.raises(ValueError, match=match):
+    with refused(match):
         MegatronCheckpoint(url)
     assert list(tmp_path.iterdir()) == []
 
@@ -91,7 +120,7 @@ def test_object_store_options_are_checked_before_any_work(
 ) -> None:
     pytest.importorskip("boto3")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=match):
+    with refused(match):
         MegatronCheckpoint(**kwargs)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
 
@@ -180,9 +209,8 @@ def test_a_resume_from_steps_that_cannot_resume_training_is_refused_before_any_w
         callbacks=[MegatronCheckpoint(tmp_path / "ckpt", save_contents=contents)],
     )
     missing = [c for c in ("optimizer", "extra") if c not in contents]
-    with pytest.raises(
-        ValueError,
-        match=rf"resumes training, which needs {missing!r}".replace("[", r"\[").replace("]", r"\]"),
+    with refused(
+        rf"resumes training, which needs {missing!r}".replace("[", r"\[").replace("]", r"\]")
     ):
         trainer.fit(TinyGPTModule(), train_dataloaders=[], ckpt_path="last")
     assert not (tmp_path / "ckpt").exists()

@@ -1,14 +1,30 @@
-"""Bad Hugging Face export / import input gets a clear error before any work is done."""
+"""Bad Hugging Face export / import input gets a clear error before any work is done.
+
+A bad option is a ``ConfigurationError``: a ``ValueError`` and Lightning's
+``MisconfigurationException``, so that code written for either catches it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mcore_ckpt.cli import main as cli_main
+
+
+@contextlib.contextmanager
+def refused(match: str) -> Iterator[None]:
+    """The block raises an error matching ``match`` that is both a ``ValueError`` and Lightning's
+    ``MisconfigurationException``."""
+    with pytest.raises(MisconfigurationException, match=match) as caught:
+        yield
+    assert isinstance(caught.value, ValueError), type(caught.value)
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +45,39 @@ def test_hf_export_arguments_are_checked(qwen2: Path, tmp_path: Path) -> None:
     from lightning_mcore_ckpt import HFExport
 
     assert HFExport(qwen2).when == "end"
-    with pytest.raises(ValueError, match=r"HFExport\(when='always'\): use one of"):
+    with refused(r"HFExport\(when='always'\): use one of"):
         HFExport(qwen2, when="always")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"HFExport\(dtype=.bf16.\): pass one of torch.float32"):
+    with refused(r"HFExport\(dtype=.bf16.\): pass one of torch.float32"):
         HFExport(qwen2, dtype="bf16")  # type: ignore[arg-type]
+    with refused(r"HFExport\(head='critic'\): use one of"):
+        HFExport(qwen2, head="critic")  # type: ignore[arg-type]
+    with refused(r"HFExport: adapters='lora' \(--adapters\): use 'merged'"):
+        HFExport(qwen2, adapters="lora")  # type: ignore[arg-type]
+    with refused(r"HFExport\(upload_to='not a repo'\): pass a Hub model repository"):
+        HFExport(qwen2, upload_to="not a repo")
+    with refused(r"HFExport\(upload_attempts=0\): pass an int >= 1"):
+        HFExport(qwen2, upload_to="org/name", upload_attempts=0)
     with pytest.raises(FileNotFoundError, match=r"hf_model_path=...\): '.*nope' does not exist"):
         HFExport(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
         HFExport(tmp_path)
-    with pytest.raises(
-        ValueError, match=r"model_type='not_a_family'.*supported model types: .*qwen2"
-    ):
+    with refused(r"model_type='not_a_family'.*supported model types: .*qwen2"):
         HFExport(_unknown_family(tmp_path))
 
 
 def test_callback_and_strategy_refuse_bad_hf_settings(qwen2: Path, tmp_path: Path) -> None:
     from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
 
-    with pytest.raises(ValueError, match=r"hf_export='x'\): pass lightning_mcore_ckpt.HFExport"):
+    with refused(r"hf_export='x'\): pass lightning_mcore_ckpt.HFExport"):
         MegatronCheckpoint(tmp_path / "c", hf_export="x")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="'hf_model' needs hf_export=HFExport"):
+    with refused("'hf_model' needs hf_export=HFExport"):
         MegatronCheckpoint(tmp_path / "c", save_contents=["model", "hf_model"])
     MegatronCheckpoint(
         tmp_path / "c", save_contents=["model", "hf_model"], hf_export=HFExport(qwen2)
     )
-    with pytest.raises(ValueError, match=r"init_from='.*nope'\): does not exist"):
+    with refused(r"init_from='.*nope'\): does not exist"):
         MegatronStrategy(init_from=tmp_path / "nope")
-    with pytest.raises(ValueError, match="model_type='not_a_family'"):
+    with refused("model_type='not_a_family'"):
         MegatronStrategy(init_from=_unknown_family(tmp_path))
     assert not (tmp_path / "c").exists()
 
@@ -158,12 +180,12 @@ def test_verify_refuses_a_tolerance_that_is_not_a_finite_number_at_least_0(
 def test_hf_export_refuses_a_dtype_weights_cannot_have(qwen2: Path, dtype: torch.dtype) -> None:
     from lightning_mcore_ckpt import HFExport
 
-    with pytest.raises(ValueError, match=rf"HFExport\(dtype={dtype}\): pass one of torch.float32"):
+    with refused(rf"HFExport\(dtype={dtype}\): pass one of torch.float32"):
         HFExport(qwen2, dtype=dtype)
 
 
 def test_strategy_timeout_must_be_a_timedelta() -> None:
     from lightning_mcore_ckpt import MegatronStrategy
 
-    with pytest.raises(ValueError, match=r"timeout=60\): pass a positive datetime.timedelta"):
+    with refused(r"timeout=60\): pass a positive datetime.timedelta"):
         MegatronStrategy(timeout=60)  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ ALLOWED = {
     "lightning_mcore_ckpt._safe_dcp",
     "lightning_mcore_ckpt._safe_load",
     "lightning_mcore_ckpt.adapters",
+    "lightning_mcore_ckpt.errors",
     "lightning_mcore_ckpt.integrity",
     "lightning_mcore_ckpt.layout",
 }

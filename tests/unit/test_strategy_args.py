@@ -1,8 +1,13 @@
-"""MegatronStrategy rejects bad arguments at construction, naming the argument and the fix."""
+"""MegatronStrategy rejects bad arguments at construction, naming the argument and the fix.
+
+Each refusal is a ``ConfigurationError``: a ``ValueError`` and Lightning's
+``MisconfigurationException``, so that code written for either catches it.
+"""
 
 from __future__ import annotations
 
 import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
 
@@ -39,13 +44,17 @@ from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
             {"sequence_parallel": True},
             r"sequence_parallel=True\) needs tensor_model_parallel_size > 1",
         ),
+        ({"timeout": 60}, r"timeout=60\): pass a positive datetime.timedelta"),
+        ({"ckpt_dedup": True, "ckpt_writer": "megatron"}, r"ckpt_dedup=True, ckpt_writer="),
+        ({"init_from": "/nonexistent/model"}, r"init_from='/nonexistent/model'\): does not"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_argument_named(
     kwargs: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(MisconfigurationException, match=message) as caught:
         MegatronStrategy(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(caught.value, ValueError), type(caught.value)
 
 
 def test_defaults_are_those_of_the_public_interface() -> None:

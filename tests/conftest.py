@@ -26,7 +26,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # the suite ran, not a test's output). Not checked where the tests are not a git checkout's.
 
 _ROOT = Path(_HERE).resolve().parent
-_NOT_COUNTED_DIRS = ("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis")
+_NOT_COUNTED_DIRS = (
+    *("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".import_linter_cache"),
+    ".hypothesis",
+)
 _SOURCES = (".py", ".md")
 _ALL_UNTRACKED = ("--untracked-files=all", "--ignored")  # every file, also in ignored dirs
 _BEFORE = pytest.StashKey[set[tuple[str, str]]]()

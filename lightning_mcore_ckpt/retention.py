@@ -58,11 +58,13 @@ def retention_plan(
     return doomed
 
 
-def remove_step(path: str | os.PathLike[str]) -> None:
+def remove_step(path: str | os.PathLike[str], *, any_name: bool = False) -> None:
     """Delete a step directory so that a crash midway leaves it *incomplete*, never damaged.
 
     The commit marker goes first (atomically), then the rest. Refuses (``ValueError``) a
-    directory not named ``global_step_<N>`` or without this package's markers.
+    directory not named ``global_step_<N>`` (unless ``any_name``: a path Lightning's
+    ``ModelCheckpoint`` named, such as ``epoch=0-step=12.ckpt``) or without this package's
+    markers.
 
     Example::
 
@@ -71,7 +73,7 @@ def remove_step(path: str | os.PathLike[str]) -> None:
     p = Path(path)
     if p.is_symlink():
         raise ValueError(f"refusing to delete {p}: it is a symbolic link, not a step directory")
-    if step_number(p) is None:
+    if step_number(p) is None and not any_name:
         raise ValueError(f"refusing to delete {p}: not a global_step_<N> directory")
     if not is_ours(p):
         raise ValueError(

@@ -5,6 +5,11 @@ Every case runs real Trainers in real processes on real files, injects the fault
 happens (see _faulty.py), then checks which files exist and which step the next
 ``fit(ckpt_path="last")`` resumes from, and that it continues bit for bit like a run that was
 never interrupted.
+
+The shard writer is an axis where a fault strikes it: our writer (``"threads"``, the default)
+and Megatron-Core's (``"megatron"``: its writer threads inline, a forked process per async
+save), each sync and async, for each kind of fault in a shard write (SIGKILL of the only rank,
+SIGKILL of one rank of two, an ``OSError`` raised or counted).
 """
 
 from __future__ import annotations
@@ -67,35 +72,75 @@ def test_sigkill_during_a_save_loses_nothing_committed(
     assert listing(tmp_path) == [f"global_step_{MAX_STEPS}", TRACKER]
 
 
-def test_sigkill_while_the_async_writer_writes_loses_nothing(
-    tmp_path: Path, reference: dict[str, Any]
+# (writer, async save, kill point): with the sync saves of our writer above, every pair of the
+# three axes. Megatron-Core's async writer is a forked process: it dies with its rank.
+WRITER_KILLS = [
+    ("threads", True, "model_shards"),
+    ("megatron", False, "optim_shards"),
+    ("megatron", True, "model_shards"),
+    ("megatron", True, "optim_shards"),
+]
+
+
+def _writer_id(writer: str, async_save: bool) -> str:
+    return f"{writer}-{'async' if async_save else 'sync'}"
+
+
+# Faults on one rank of two: our writer sync, Megatron-Core's async (the other pairs: above, and
+# in test_agreement_matrix.py).
+TWO_WRITERS = [("threads", False), ("megatron", True)]
+
+
+@pytest.mark.parametrize(
+    ("writer", "async_save", "point"),
+    WRITER_KILLS,
+    ids=[f"{_writer_id(w, a)}-{p}" for w, a, p in WRITER_KILLS],
+)
+def test_sigkill_while_either_shard_writer_writes_loses_nothing(
+    tmp_path: Path, reference: dict[str, Any], writer: str, async_save: bool, point: str
 ) -> None:
+    options = {"async_save": async_save, "writer": writer}
     with pytest.raises(DistributedFailure, match="exit code -9"):
-        run_distributed(
-            train, 1, str(tmp_path), "model_shards:kill", {"async_save": True}, timeout=200
-        )
+        run_distributed(train, 1, str(tmp_path), f"{point}:kill", options, timeout=200)
     assert [n for n in listing(tmp_path) if n.startswith("global_step_")] == [
         "global_step_2",
         f"global_step_{FAULT_STEP}?",
     ]
-    resumed = run_distributed(train, 1, str(tmp_path), None, {"async_save": True}, timeout=200)[0]
+    # Step 2 was written by that writer, in that mode ("mcore": Megatron-Core's own).
+    meta = layout.read_metadata(layout.step_dir(tmp_path / "ckpt", 2))
+    assert meta is not None and meta["async"] is async_save
+    assert meta["writer"] == ("threads" if writer == "threads" else "mcore")
+    resumed = run_distributed(train, 1, str(tmp_path), None, options, timeout=200)[0]
     same_run(resumed, reference, 2)
+    assert listing(tmp_path) == [f"global_step_{MAX_STEPS}", TRACKER]
 
 
-def test_sigkill_of_one_rank_of_two_loses_nothing(tmp_path: Path) -> None:
-    full = run_distributed(train, 2, str(tmp_path / "full"), None, TP2, timeout=250)[0]
+@pytest.fixture(scope="module")
+def reference_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One uninterrupted run on 2 ranks (TP=2) with the same saves."""
+    tmp = tmp_path_factory.mktemp("reference_tp2")
+    return run_distributed(train, 2, str(tmp), None, TP2, timeout=250)[0]
+
+
+@pytest.mark.parametrize(
+    ("writer", "async_save"), TWO_WRITERS, ids=[_writer_id(*w) for w in TWO_WRITERS]
+)
+def test_sigkill_of_one_rank_of_two_loses_nothing(
+    tmp_path: Path, reference_tp2: dict[str, Any], writer: str, async_save: bool
+) -> None:
+    options = {**TP2, "async_save": async_save, "writer": writer}
     run = str(tmp_path / "run")
     # The killed rank takes the job down (it dies, or its peer's collective fails): the job
     # fails, it does not hang; whichever message the transport gives is not ours to assert.
     with pytest.raises(DistributedFailure) as failure:
-        run_distributed(train, 2, run, "optim_shards:kill@1", TP2, timeout=250)
+        run_distributed(train, 2, run, "optim_shards:kill@1", options, timeout=250)
     assert "did not finish within" not in str(failure.value)
     assert [n for n in listing(run) if n.startswith("global_step_")] == [
         "global_step_2",
         f"global_step_{FAULT_STEP}?",
     ]
-    resumed = run_distributed(train, 2, run, None, TP2, timeout=250)[0]
-    same_run(resumed, full, 2)
+    resumed = run_distributed(train, 2, run, None, options, timeout=250)[0]
+    same_run(resumed, reference_tp2, 2)
 
 
 def _failed_metric(path: str) -> list[tuple[int, float]]:
@@ -107,9 +152,15 @@ def _failed_metric(path: str) -> list[tuple[int, float]]:
         ]
 
 
-def test_write_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("writer", "async_save"), TWO_WRITERS, ids=[_writer_id(*w) for w in TWO_WRITERS]
+)
+def test_write_error_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, writer: str, async_save: bool
+) -> None:
+    options = {**TP2, "async_save": async_save, "writer": writer}
     with pytest.raises(DistributedFailure) as failure:
-        run_distributed(train, 2, str(tmp_path), "model_shards:ENOSPC@1", TP2, timeout=250)
+        run_distributed(train, 2, str(tmp_path), "model_shards:ENOSPC@1", options, timeout=250)
     message = str(failure.value)
     assert "CheckpointSaveError" in message and f"global_step_{FAULT_STEP}" in message
     # The original OSError (errno and message) and the shard file it was writing, on every
@@ -155,19 +206,25 @@ def _catching(rank: int, world_size: int, tmp: str, fault: str) -> str:
     return "no error"
 
 
+WARN_CASES = [
+    ("model_shards:EIO", "threads", True),
+    ("before_commit:EACCES", "threads", True),
+    ("model_shards:EIO", "megatron", False),
+    ("model_shards:EIO", "megatron", True),
+]
+
+
 @pytest.mark.parametrize(
-    "fault", ["model_shards:EIO", "before_commit:EACCES"], ids=["async-write-EIO", "commit-EACCES"]
+    ("fault", "writer", "async_save"),
+    WARN_CASES,
+    ids=["async-write-EIO", "commit-EACCES", "megatron-sync-write-EIO", "megatron-async-write-EIO"],
 )
 def test_on_save_error_warn_counts_the_failure_and_keeps_training(
-    tmp_path: Path, fault: str
+    tmp_path: Path, fault: str, writer: str, async_save: bool
 ) -> None:
+    options = {"async_save": async_save, "writer": writer, "on_save_error": "warn"}
     run = run_distributed(
-        train,
-        1,
-        str(tmp_path),
-        fault,
-        {"async_save": True, "max_to_keep": 1, "on_save_error": "warn"},
-        timeout=200,
+        train, 1, str(tmp_path), fault, {**options, "max_to_keep": 1}, timeout=200
     )[0]
     assert run["end"] == MAX_STEPS and run["failed_saves"] == 1
     assert _failed_metric(run["csv"]) == [(FAULT_STEP, 1.0)]

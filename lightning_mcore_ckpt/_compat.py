@@ -334,3 +334,58 @@ def check_readable(step: Any, subdirs: tuple[str, ...] = ("model", "optim")) -> 
             "state inside the torch_dist files, not in common.pt). Load it with megatron-core "
             ">= 0.17 (Python >= 3.12), where every step written by 0.16 also loads."
         )
+
+
+def hybrid_model_class() -> type:
+    """Megatron-Core's hybrid language model (a stack of layers of one kind each, from a pattern
+    such as ``"*-*-"``): ``HybridModel`` since megatron-core 0.17, where ``MambaModel`` became a
+    deprecated subclass of it; ``MambaModel`` in 0.16, the same model under its older name."""
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:  # megatron-core 0.16
+        from megatron.core.models.mamba.mamba_model import MambaModel
+
+        return MambaModel
+    return HybridModel
+
+
+def hybrid_stack_classes() -> tuple[type, type]:
+    """``(stack, submodules)`` of :func:`hybrid_model_class`'s decoder: ``HybridStack`` and
+    ``HybridStackSubmodules`` since 0.17; ``MambaStack`` and ``MambaStackSubmodules`` in 0.16."""
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    except ImportError:  # megatron-core 0.16
+        from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+        return MambaStack, MambaStackSubmodules
+    return HybridStack, HybridStackSubmodules
+
+
+def hybrid_model(
+    config: Any, stack_spec: Any, layer_pattern: str, pipeline_stages: int, **kwargs: Any
+) -> Any:
+    """:func:`hybrid_model_class` with the layers of ``layer_pattern`` (Megatron-Core's
+    symbols, e.g. ``"*-*-"``: attention, MLP) split evenly over ``pipeline_stages``.
+
+    megatron-core 0.17+ takes ``hybrid_stack_spec`` and ``hybrid_layer_pattern``, whose stage
+    boundaries are marked with ``"|"`` (a pattern without them is split at run time, with a
+    deprecation warning); 0.16 takes ``mamba_stack_spec`` and ``hybrid_override_pattern``
+    without boundaries and splits the layers evenly itself. Either way the checkpoint keys are
+    the same (``decoder.layers.<global index>.``), so a step reshards across pipeline sizes.
+    """
+    model_class = hybrid_model_class()
+    if model_class.__name__ == "MambaModel":  # megatron-core 0.16
+        return model_class(
+            config=config,
+            mamba_stack_spec=stack_spec,
+            hybrid_override_pattern=layer_pattern,
+            **kwargs,
+        )
+    if pipeline_stages > 1 and len(layer_pattern) % pipeline_stages == 0:
+        size = len(layer_pattern) // pipeline_stages
+        layer_pattern = "|".join(
+            layer_pattern[i : i + size] for i in range(0, len(layer_pattern), size)
+        )
+    return model_class(
+        config=config, hybrid_stack_spec=stack_spec, hybrid_layer_pattern=layer_pattern, **kwargs
+    )

@@ -19,18 +19,26 @@ import torch
 
 from lightning_mcore_ckpt import _cpu
 from lightning_mcore_ckpt._tiny_hf import TINY_SEQ_LEN, TINY_VOCAB, tiny_hf_model, tiny_hf_qwen2
+from lightning_mcore_ckpt._tiny_hybrid import (
+    TINY_HYBRID_PATTERN,
+    hybrid_local_stack_spec,
+    tiny_hybrid,
+)
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
 __all__ = [
+    "TINY_HYBRID_PATTERN",
     "TINY_SEQ_LEN",
     "TINY_VOCAB",
     "HFGPTModule",
     "TinyGPTModule",
+    "TinyHybridModule",
     "TokenDataModule",
     "TokenDataset",
+    "hybrid_local_stack_spec",
     "megatron_ddp",
     "megatron_optimizer",
     "step_lr",
@@ -38,6 +46,7 @@ __all__ = [
     "tiny_gpt_config",
     "tiny_hf_model",
     "tiny_hf_qwen2",
+    "tiny_hybrid",
 ]
 
 
@@ -272,7 +281,7 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         if self.gpt is not None:
             return
         strategy = self.trainer.strategy
-        self.gpt = tiny_gpt(
+        self.gpt = self._language_model(
             hidden_dropout=self.hparams.dropout,
             attention_dropout=self.hparams.dropout,
             num_layers=self.hparams.num_layers,
@@ -285,6 +294,11 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
                 distributed_optimizer=self.hparams.optimizer == "distributed",
                 bf16=self.hparams.megatron_bf16,
             )
+
+    def _language_model(self, **config: Any) -> Any:
+        """The Megatron-Core model ``configure_model`` builds (``config``: TransformerConfig
+        fields): :func:`tiny_gpt`."""
+        return tiny_gpt(**config)
 
     def _net(self) -> Any:
         return self.gpt
@@ -358,6 +372,46 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": step_lr(optimizer, 2, 0.5), "interval": "step"},
         }
+
+
+class TinyHybridModule(TinyGPTModule):
+    """:class:`TinyGPTModule` training a Megatron-Core ``HybridModel`` (:func:`tiny_hybrid`):
+    the layers of ``layer_pattern`` (``"*"`` attention, ``"-"`` MLP), Transformer-Engine-free.
+
+    Megatron-Core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``; on megatron-core
+    0.16 the same model is ``MambaModel``. The model is ``self.gpt``, as in the GPT module, so
+    its checkpoint keys start with ``gpt.`` (``gpt.decoder.layers.<i>.``, one key per layer).
+    The layers are split evenly over the pipeline stages: the pattern's length must divide by
+    the pipeline-parallel size.
+
+    Example::
+
+        trainer.fit(TinyHybridModule(layer_pattern="*-*-"), train_dataloaders=loader)
+    """
+
+    def __init__(
+        self,
+        layer_pattern: str = TINY_HYBRID_PATTERN,
+        lr: float = 1e-3,
+        dropout: float = 0.1,
+        optimizer: str = "adamw",
+        megatron_bf16: bool = False,
+    ) -> None:
+        from lightning_mcore_ckpt._tiny_hybrid import check_layer_pattern
+
+        check_layer_pattern(layer_pattern, "TinyHybridModule: layer_pattern")
+        super().__init__(
+            lr=lr,
+            dropout=dropout,
+            num_layers=len(layer_pattern),
+            optimizer=optimizer,
+            megatron_bf16=megatron_bf16,
+        )
+        self.layer_pattern = layer_pattern
+
+    def _language_model(self, **config: Any) -> Any:
+        config.pop("num_layers", None)  # the pattern's length
+        return tiny_hybrid(self.layer_pattern, **config)
 
 
 class HFGPTModule(TinyGPTModule):

@@ -1,4 +1,9 @@
-"""A checkpoint saved in one parallel layout loads into another with identical tensors."""
+"""A checkpoint saved in one parallel layout loads into another with identical tensors.
+
+Axes: the model (Megatron-Core's GPTModel; its HybridModel of attention and MLP layers, whose
+layers are saved one by one and split over pipeline stages by its layer pattern) and the layout
+change (TP, DP, PP; both ways for TP).
+"""
 
 from __future__ import annotations
 
@@ -12,47 +17,65 @@ from lightning_mcore_ckpt.testing import run_distributed
 pytestmark = pytest.mark.timeout(240)
 
 SAVED_STEPS = 2
+HYBRID_LAYER = "gpt.decoder.layers.1.mlp.linear_fc1.weight"
+"""A hybrid model's second layer (``"*-*-"``: an MLP), saved under its own index."""
+
+
+def _module(model: str) -> object:
+    from lightning_mcore_ckpt.tiny import TinyGPTModule, TinyHybridModule
+
+    return TinyHybridModule() if model == "hybrid" else TinyGPTModule()
 
 
 def _train_and_save(
-    rank: int, world_size: int, step_dir: str, tp: int, pp: int
+    rank: int, world_size: int, step_dir: str, tp: int, pp: int, model: str = "gpt"
 ) -> dict[str, object]:
     from _trainer import gathered_optimizer, gathered_weights, loader, make_trainer
 
     from lightning_mcore_ckpt import MegatronStrategy
-    from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     trainer = make_trainer(SAVED_STEPS, strategy, world_size)
-    trainer.fit(TinyGPTModule(), train_dataloaders=loader(16, 2, shuffle=True))
+    trainer.fit(_module(model), train_dataloaders=loader(16, 2, shuffle=True))
     trainer.save_checkpoint(step_dir)
     return {"weights": gathered_weights(trainer), "optim": gathered_optimizer(trainer)}
 
 
 def _load_and_continue(
-    rank: int, world_size: int, step_dir: str, tp: int, pp: int
+    rank: int, world_size: int, step_dir: str, tp: int, pp: int, model: str = "gpt"
 ) -> dict[str, object]:
     from _trainer import resume_and_continue
 
     from lightning_mcore_ckpt import MegatronStrategy
-    from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    return resume_and_continue(TinyGPTModule(), strategy, world_size, step_dir, SAVED_STEPS + 2)
+    return resume_and_continue(_module(model), strategy, world_size, step_dir, SAVED_STEPS + 2)
 
 
 @pytest.mark.parametrize(
-    ("save_world", "save_tp", "save_pp", "load_world", "load_tp", "load_pp"),
+    ("model", "save_world", "save_tp", "save_pp", "load_world", "load_tp", "load_pp"),
     [
-        (2, 2, 1, 1, 1, 1),
-        (1, 1, 1, 2, 2, 1),
-        (2, 1, 1, 1, 1, 1),
-        (2, 1, 2, 1, 1, 1),
+        ("gpt", 2, 2, 1, 1, 1, 1),
+        ("gpt", 1, 1, 1, 2, 2, 1),
+        ("gpt", 2, 1, 1, 1, 1, 1),
+        ("gpt", 2, 1, 2, 1, 1, 1),
+        ("hybrid", 2, 2, 1, 1, 1, 1),
+        ("hybrid", 2, 1, 2, 1, 1, 1),
+        ("hybrid", 2, 1, 2, 2, 2, 1),
     ],
-    ids=["tp2-to-tp1", "tp1-to-tp2", "dp2-to-dp1", "pp2-to-pp1"],
+    ids=[
+        "tp2-to-tp1",
+        "tp1-to-tp2",
+        "dp2-to-dp1",
+        "pp2-to-pp1",
+        "hybrid-tp2-to-tp1",
+        "hybrid-pp2-to-pp1",
+        "hybrid-pp2-to-tp2",
+    ],
 )
 def test_reshard_restores_identical_weights_and_optimizer_moments(
     tmp_path: Path,
+    model: str,
     save_world: int,
     save_tp: int,
     save_pp: int,
@@ -61,12 +84,15 @@ def test_reshard_restores_identical_weights_and_optimizer_moments(
     load_pp: int,
 ) -> None:
     step_dir = str(tmp_path / "global_step_2")
-    saved = run_distributed(_train_and_save, save_world, step_dir, save_tp, save_pp, timeout=200)[0]
+    saved = run_distributed(
+        _train_and_save, save_world, step_dir, save_tp, save_pp, model, timeout=200
+    )[0]
     loaded = run_distributed(
-        _load_and_continue, load_world, step_dir, load_tp, load_pp, timeout=200
+        _load_and_continue, load_world, step_dir, load_tp, load_pp, model, timeout=200
     )
 
     assert any(".exp_avg_sq." in k for k in saved["optim"])
+    assert (HYBRID_LAYER in saved["weights"]) == (model == "hybrid")
     for r in loaded:
         assert r["start_step"] == SAVED_STEPS
         assert r["weights"].keys() == saved["weights"].keys()

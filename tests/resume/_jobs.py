@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset, step_lr
+from lightning_mcore_ckpt.tiny import TinyGPTModule, TinyHybridModule, TokenDataset, step_lr
 
 BATCH = 2
 
@@ -103,6 +103,13 @@ class JobModule(TinyGPTModule):
         }
 
 
+class HybridJobModule(JobModule, TinyHybridModule):  # type: ignore[misc]
+    """The same job training Megatron-Core's HybridModel (attention and MLP layers, ``"*-*-"``)."""
+
+
+MODELS = {"gpt": JobModule, "hybrid": HybridJobModule}
+
+
 def _strategy_class(broken: str) -> Any:
     from lightning_mcore_ckpt import MegatronStrategy
     from lightning_mcore_ckpt._optim import init_state
@@ -181,6 +188,7 @@ def build(
     broken: str = "none",
     unsaved_state: bool = False,
     clock_seed: bool = False,
+    model: str = "gpt",
 ) -> Any:
     import tempfile
 
@@ -241,7 +249,7 @@ def build(
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    module = JobModule(
+    module = MODELS[model](
         frozen=frozen,
         scheduler=scheduler,
         unsaved_state=unsaved_state,

@@ -18,7 +18,8 @@ import _jobs
 import pytest
 from _pairwise import excluded_pairs_met, uncovered
 
-from lightning_mcore_ckpt import check_resume
+from lightning_mcore_ckpt import _safe_dcp, check_resume
+from lightning_mcore_ckpt.hf._names import hybrid_layer_pattern
 from lightning_mcore_ckpt.testing import DistributedFailure
 
 AXES: dict[str, list[Any]] = {
@@ -36,6 +37,9 @@ AXES: dict[str, list[Any]] = {
     # torch AdamW; Megatron-Core's optimizer over Megatron DDP; its distributed optimizer,
     # saved dp_reshardable and fully_reshardable.
     "optimizer": ["adamw", "megatron", "distributed", "distributed_full"],
+    # Megatron-Core's GPTModel; its HybridModel (attention and MLP layers, "*-*-", from a
+    # Transformer-Engine-free layer spec), which 0.19 recommends in its place.
+    "model": ["gpt", "hybrid"],
 }
 
 EXCLUDED = [
@@ -55,32 +59,32 @@ EXCLUDED = [
 
 # fmt: off
 CELLS = [
-    ("tp2", "time", "sigterm", 1, "all_params", True, "plain", "epoch", "megatron-bf16", "megatron"),
-    ("pp2", "epochs_train_end", "max_steps", 3, "all_params", False, "datamodule", "step", "bf16-mixed", "adamw"),
-    ("dp2", "steps", "clean", 3, "trainable_only", False, "stateful0", "epoch", "32", "distributed"),
-    ("dp2", "topk", "kill", 1, "lora", True, "stateful2", "step", "bf16-true", "adamw"),
-    ("pp2", "epochs", "clean", 1, "none", True, "plain", "step", "32", "distributed_full"),
-    ("tp2", "time", "kill", 3, "none", False, "stateful2", "epoch", "bf16-mixed", "distributed_full"),
-    ("tp2", "epochs_train_end", "max_steps", 1, "trainable_only", True, "stateful0", "step", "megatron-bf16", "distributed"),
-    ("pp2", "epochs", "sigterm", 3, "lora", False, "stateful0", "epoch", "bf16-true", "adamw"),
-    ("dp2", "steps", "sigterm", 1, "none", True, "datamodule", "step", "bf16-mixed", "megatron"),
-    ("pp2", "topk", "kill", 3, "trainable_only", False, "plain", "epoch", "megatron-bf16", "megatron"),
-    ("tp2", "time", "clean", 1, "lora", False, "datamodule", "epoch", "32", "adamw"),
-    ("dp2", "epochs", "max_steps", 3, "all_params", True, "stateful2", "epoch", "32", "megatron"),
-    ("dp2", "epochs_train_end", "sigterm", 3, "trainable_only", True, "stateful2", "epoch", "megatron-bf16", "distributed_full"),
-    ("tp2", "steps", "max_steps", 1, "lora", True, "plain", "epoch", "bf16-true", "adamw"),
-    ("pp2", "epochs", "kill", 1, "trainable_only", False, "datamodule", "epoch", "bf16-mixed", "distributed"),
-    ("tp2", "topk", "clean", 1, "all_params", True, "stateful0", "step", "bf16-mixed", "distributed_full"),
-    ("dp2", "time", "max_steps", 3, "none", False, "stateful0", "step", "megatron-bf16", "distributed"),
-    ("pp2", "steps", "kill", 1, "all_params", True, "stateful2", "epoch", "32", "distributed"),
-    ("dp2", "topk", "sigterm", 3, "none", False, "plain", "step", "32", "distributed"),
-    ("tp2", "epochs_train_end", "clean", 3, "none", True, "datamodule", "epoch", "bf16-true", "adamw"),
-    ("pp2", "time", "kill", 3, "trainable_only", True, "stateful0", "epoch", "bf16-true", "adamw"),
-    ("tp2", "epochs", "max_steps", 1, "trainable_only", False, "datamodule", "epoch", "megatron-bf16", "distributed_full"),
-    ("pp2", "epochs_train_end", "kill", 1, "lora", False, "plain", "epoch", "bf16-mixed", "adamw"),
-    ("tp2", "epochs_train_end", "clean", 1, "none", True, "stateful0", "step", "32", "megatron"),
-    ("dp2", "steps", "clean", 3, "none", True, "stateful2", "step", "megatron-bf16", "distributed_full"),
-    ("pp2", "topk", "max_steps", 1, "all_params", True, "datamodule", "epoch", "bf16-true", "adamw"),
+    ("tp2", "time", "sigterm", 1, "all_params", True, "plain", "epoch", "megatron-bf16", "megatron", "hybrid"),
+    ("pp2", "epochs_train_end", "max_steps", 3, "all_params", False, "datamodule", "step", "bf16-mixed", "adamw", "hybrid"),
+    ("dp2", "steps", "clean", 3, "trainable_only", False, "stateful0", "epoch", "32", "distributed", "hybrid"),
+    ("dp2", "topk", "kill", 1, "lora", True, "stateful2", "step", "bf16-true", "adamw", "hybrid"),
+    ("pp2", "epochs", "clean", 1, "none", True, "plain", "step", "32", "distributed_full", "hybrid"),
+    ("tp2", "time", "kill", 3, "none", False, "stateful2", "epoch", "bf16-mixed", "distributed_full", "gpt"),
+    ("tp2", "epochs_train_end", "max_steps", 1, "trainable_only", True, "stateful0", "step", "megatron-bf16", "distributed", "gpt"),
+    ("pp2", "epochs", "sigterm", 3, "lora", False, "stateful0", "epoch", "bf16-true", "adamw", "gpt"),
+    ("dp2", "steps", "sigterm", 1, "none", True, "datamodule", "step", "bf16-mixed", "megatron", "gpt"),
+    ("pp2", "topk", "kill", 3, "trainable_only", False, "plain", "epoch", "megatron-bf16", "megatron", "gpt"),
+    ("tp2", "time", "clean", 1, "lora", False, "datamodule", "epoch", "32", "adamw", "gpt"),
+    ("dp2", "epochs", "max_steps", 3, "all_params", True, "stateful2", "epoch", "32", "megatron", "gpt"),
+    ("dp2", "epochs_train_end", "sigterm", 3, "trainable_only", True, "stateful2", "epoch", "megatron-bf16", "distributed_full", "gpt"),
+    ("tp2", "steps", "max_steps", 1, "lora", True, "plain", "epoch", "bf16-true", "adamw", "gpt"),
+    ("pp2", "epochs", "kill", 1, "trainable_only", False, "datamodule", "epoch", "bf16-mixed", "distributed", "gpt"),
+    ("tp2", "topk", "clean", 1, "all_params", True, "stateful0", "step", "bf16-mixed", "distributed_full", "gpt"),
+    ("dp2", "time", "max_steps", 3, "none", False, "stateful0", "step", "megatron-bf16", "distributed", "gpt"),
+    ("pp2", "steps", "kill", 1, "all_params", True, "stateful2", "epoch", "32", "distributed", "gpt"),
+    ("dp2", "topk", "sigterm", 3, "none", False, "plain", "step", "32", "distributed", "gpt"),
+    ("tp2", "epochs_train_end", "clean", 3, "none", True, "datamodule", "epoch", "bf16-true", "adamw", "gpt"),
+    ("pp2", "time", "kill", 3, "trainable_only", True, "stateful0", "epoch", "bf16-true", "adamw", "gpt"),
+    ("tp2", "epochs", "max_steps", 1, "trainable_only", False, "datamodule", "epoch", "megatron-bf16", "distributed_full", "gpt"),
+    ("pp2", "epochs_train_end", "kill", 1, "lora", False, "plain", "epoch", "bf16-mixed", "adamw", "gpt"),
+    ("tp2", "epochs_train_end", "clean", 1, "none", True, "stateful0", "step", "32", "megatron", "gpt"),
+    ("dp2", "steps", "clean", 3, "none", True, "stateful2", "step", "megatron-bf16", "distributed_full", "gpt"),
+    ("pp2", "topk", "max_steps", 1, "all_params", True, "datamodule", "epoch", "bf16-true", "adamw", "gpt"),
 ]
 # fmt: on
 
@@ -129,6 +133,11 @@ def test_resume_is_exact(tmp_path: Path, values: tuple[Any, ...]) -> None:
     assert report.exact, str(report)
     (result,) = report.results
     assert result.resumed_from and result.resumed_from > 0
+    # The model the steps hold: a hybrid model's layers are saved one by one, by kind.
+    (step, *_) = (tmp_path / "work").glob("*/checkpoints/global_step_*/model")
+    keys = _safe_dcp.read_dcp_metadata(step).state_dict_metadata
+    pattern = hybrid_layer_pattern(k.removeprefix("gpt.") for k in keys)
+    assert pattern == ("*-*-" if cell["model"] == "hybrid" else None), sorted(keys)
 
 
 @pytest.mark.matrix

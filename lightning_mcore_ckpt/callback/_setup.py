@@ -93,12 +93,15 @@ def refuse_uploading_loggers(loggers: Iterable[Any], dirpath: str) -> None:
 
 
 def check_hf_export(export: HFExport, strategy: Any, pl_module: pl.LightningModule) -> None:
-    """The Hugging Face model to export to must match the module's GPT models' shapes."""
-    from megatron.core.models.gpt import GPTModel
-
+    """The Hugging Face model to export to must match the module's GPT models' shapes (a module
+    without one, a hybrid model's, is refused)."""
     from lightning_mcore_ckpt import hf
 
-    prefixes = [f"{n}." for n, m in pl_module.named_modules() if isinstance(m, GPTModel)]
+    prefixes = hf.gpt_model_prefixes(
+        pl_module,
+        "MegatronCheckpoint(hf_export=HFExport(...))",
+        "leave hf_export out (the steps are saved, resumed and resharded as they are)",
+    )
     hf.check_model_matches(
         hf.HFBridge(export.path),
         strategy.model_sharded_state_dict(),

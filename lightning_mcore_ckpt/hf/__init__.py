@@ -26,7 +26,7 @@ The modules, each importing only those above it:
 - ``_safetensors``: the streaming safetensors writer, the index, the readers;
 - ``_plan``: what an export writes, checked against the Hugging Face config;
 - ``_export``: :class:`HFExport`, :func:`export_checkpoint`, :func:`is_exported`;
-- ``_load``: :func:`check_model_matches`, :func:`load_hf_weights`;
+- ``_load``: :func:`check_model_matches`, :func:`gpt_model_prefixes`, :func:`load_hf_weights`;
 - ``_import``: :func:`import_checkpoint`;
 - ``_verify``: :func:`verify_export`;
 - ``_upload``: :func:`upload_export`, :class:`HubUploader` (the Hub, after a verified export).
@@ -37,7 +37,7 @@ from __future__ import annotations
 from lightning_mcore_ckpt.hf._bridge import HFBridge, supported_model_types
 from lightning_mcore_ckpt.hf._export import HF_DIR, WHEN, HFExport, export_checkpoint, is_exported
 from lightning_mcore_ckpt.hf._import import import_checkpoint
-from lightning_mcore_ckpt.hf._load import check_model_matches, load_hf_weights
+from lightning_mcore_ckpt.hf._load import check_model_matches, gpt_model_prefixes, load_hf_weights
 from lightning_mcore_ckpt.hf._logits import LOGITS_ATOL, LogitsResult, check_logits
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES
 from lightning_mcore_ckpt.hf._upload import (
@@ -65,6 +65,7 @@ __all__ = [
     "check_model_matches",
     "check_upload_options",
     "export_checkpoint",
+    "gpt_model_prefixes",
     "import_checkpoint",
     "is_exported",
     "load_hf_weights",

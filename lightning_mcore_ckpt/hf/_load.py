@@ -17,7 +17,44 @@ from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._names import ADAPTER, EXPERTS, LAYERS, VOCAB_KEYS, expert_name
 from lightning_mcore_ckpt.hf._safetensors import HFReader
 
-__all__ = ["check_model_matches", "load_hf_weights"]
+__all__ = ["check_model_matches", "gpt_model_prefixes", "load_hf_weights"]
+
+
+def gpt_model_prefixes(module: torch.nn.Module, argument: str, fix: str) -> list[str]:
+    """The key prefixes of the Megatron-Core GPT models in ``module`` (``["model."]`` for
+    ``self.model``): the models the Hugging Face conversion maps.
+
+    Refuses, before any work, a module with none (``argument`` names the option that asked for
+    the conversion, ``fix`` what to do instead), naming a hybrid model (``HybridModel``) it
+    holds: mbridge maps no hybrid architecture.
+
+    Example::
+
+        prefixes = gpt_model_prefixes(pl_module, "MegatronStrategy(init_from=...)", "...")
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from lightning_mcore_ckpt import _compat
+    from lightning_mcore_ckpt.hf._bridge import supported_model_types
+
+    prefixes = [f"{n}." for n, m in module.named_modules() if isinstance(m, GPTModel)]
+    if prefixes:
+        return prefixes
+    hybrid = _compat.hybrid_model_class()
+    found = [(n, type(m).__name__) for n, m in module.named_modules() if isinstance(m, hybrid)]
+    what = (
+        "the LightningModule's "
+        + ", ".join(f"{name!r} is a {cls}" for name, cls in found)
+        + " (a Megatron-Core hybrid model), and mbridge maps no hybrid architecture"
+        if found
+        else "the LightningModule has none"
+    )
+    from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
+
+    raise ConfigurationError(
+        f"{argument}: the Hugging Face conversion maps Megatron-Core GPTModels (of the model "
+        f"types {', '.join(supported_model_types())}), and {what}; {fix}"
+    )
 
 
 def _local_pieces(

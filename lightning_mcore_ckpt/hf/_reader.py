@@ -18,7 +18,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_mcore_ckpt import _objects, _safe_dcp, _safe_load
-from lightning_mcore_ckpt.hf._names import EMBEDDING, EXPERTS, LAYERS, expert_name
+from lightning_mcore_ckpt.hf._names import (
+    EMBEDDING,
+    EXPERTS,
+    LAYERS,
+    expert_name,
+    hybrid_layer_pattern,
+)
 
 __all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
 
@@ -169,4 +175,22 @@ def module_prefix(keys: Iterable[str], source: Path) -> str:
             f"{source}: found {found} GPT embedding tensors (*{EMBEDDING}); the Hugging Face "
             "bridge converts a checkpoint of exactly one Megatron-Core GPT model"
         )
+    refuse_hybrid(keys, prefixes[0], source)
     return prefixes[0]
+
+
+def refuse_hybrid(keys: Iterable[str], prefix: str, source: Any) -> None:
+    """Refuse, before any tensor is read, a hybrid model (``HybridModel``): mbridge maps none."""
+    pattern = hybrid_layer_pattern(k[len(prefix) :] for k in keys if k.startswith(prefix))
+    if pattern is None:
+        return
+    from lightning_mcore_ckpt.hf._bridge import supported_model_types
+
+    raise ValueError(
+        f"{source}: its model ({prefix!r}) is a Megatron-Core HybridModel (layers {pattern!r}, "
+        "saved one by one), and the Hugging Face conversion goes through mbridge, which maps "
+        "no hybrid architecture: it converts GPTModel checkpoints of the model types "
+        f"{', '.join(supported_model_types())}. The step itself resumes and reshards, and "
+        "`inspect` and `diff` read it; for a Hugging Face model, train a GPTModel of one of "
+        "those families"
+    )

@@ -176,21 +176,14 @@ class MegatronStrategy(MegatronTrainingBase):
             return
         start = time.perf_counter()
         if (init_from / "config.json").is_file():
-            from megatron.core.models.gpt import GPTModel
-
             from lightning_mcore_ckpt import hf
 
             assert self.lightning_module is not None
-            prefixes = [
-                f"{name}."
-                for name, m in self.lightning_module.named_modules()
-                if isinstance(m, GPTModel)
-            ]
-            if not prefixes:
-                raise ValueError(
-                    f"MegatronStrategy(init_from={init_from}): a Hugging Face model "
-                    "initialises a Megatron-Core GPTModel, and the LightningModule has none"
-                )
+            prefixes = hf.gpt_model_prefixes(
+                self.lightning_module,
+                f"MegatronStrategy(init_from={str(init_from)!r})",
+                "initialise it from a step of this package's format instead",
+            )
             hf.load_hf_weights(prefixes, init_from, self.model_sharded_state_dict)
         else:
             trusted = _safe_load.trusted_by_user()

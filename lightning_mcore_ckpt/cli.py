@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
             'fit(ckpt_path="last"), and compare per-step losses, the samples every rank '
             "received, every RNG stream, weights, optimizer and LR scheduler state and the loop "
             "counters bit for bit. Prints the first divergence. Exit code 0 when everything is "
-            "identical, 1 on a divergence, 2 on bad usage."
+            "identical, 1 on a divergence, 2 on bad usage, 3 when a run of the job fails to run "
+            "(the report names the run, the rank and the exception: an error of the job, not "
+            "a divergence)."
         ),
     )
     check.add_argument("--config", required=True, help="a LightningCLI YAML config")
@@ -171,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+EXIT_JOB_FAILED = 3
+"""``check-resume``'s exit code when a run of the job fails to run (1 is a divergence)."""
 
 
 def _dtype(name: str | None) -> Any:
@@ -339,7 +343,7 @@ def _check_resume(args: argparse.Namespace) -> int:
             "check-resume reads a LightningCLI config and needs the cli extra: "
             "pip install 'lightning-mcore-ckpt[cli]'"
         )
-    from lightning_mcore_ckpt.resume_check import check_resume
+    from lightning_mcore_ckpt.resume_check import JobFailed, check_resume
     from lightning_mcore_ckpt.resume_check._run import HOWS
 
     # With --json, stdout carries the report only: what the runs print (progress, model
@@ -348,6 +352,7 @@ def _check_resume(args: argparse.Namespace) -> int:
     stdout = os.dup(1)
     if args.json:
         os.dup2(2, 1)
+    failed = False
     try:
         report = check_resume(
             args.config,
@@ -356,6 +361,8 @@ def _check_resume(args: argparse.Namespace) -> int:
             how=tuple(args.how) if args.how else HOWS,
             workdir=args.workdir,
         )
+    except JobFailed as err:  # the job's own error: its verdict, not a divergence
+        report, failed = err.report, True
     except (FileNotFoundError, ValueError) as err:
         return _fail(err)
     finally:
@@ -363,6 +370,8 @@ def _check_resume(args: argparse.Namespace) -> int:
         os.dup2(stdout, 1)
         os.close(stdout)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    if failed:
+        return EXIT_JOB_FAILED
     return 0 if report.exact else 1
 
 

@@ -274,6 +274,14 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
                 "optimizer: pass optimizer='megatron' or 'distributed'"
             )
         self.save_hyperparameters()
+        # Read from these attributes, never from self.hparams: Lightning fills hparams from the
+        # signature of the class built (a subclass that forwards only some of these, or saves
+        # only its own, would leave them out).
+        self.lr = lr
+        self.dropout = dropout
+        self.num_layers = num_layers
+        self.optimizer_name = optimizer
+        self.megatron_bf16 = megatron_bf16
         self.gpt: Any = None
         self.step_losses: list[torch.Tensor] = []
 
@@ -282,17 +290,17 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
             return
         strategy = self.trainer.strategy
         self.gpt = self._language_model(
-            hidden_dropout=self.hparams.dropout,
-            attention_dropout=self.hparams.dropout,
-            num_layers=self.hparams.num_layers,
+            hidden_dropout=self.dropout,
+            attention_dropout=self.dropout,
+            num_layers=self.num_layers,
             sequence_parallel=getattr(strategy, "sequence_parallel", False),
-            **(_BF16 if self.hparams.megatron_bf16 else {}),
+            **(_BF16 if self.megatron_bf16 else {}),
         )
-        if self.hparams.optimizer != "adamw":
+        if self.optimizer_name != "adamw":
             self.gpt = megatron_ddp(
                 self.gpt,
-                distributed_optimizer=self.hparams.optimizer == "distributed",
-                bf16=self.hparams.megatron_bf16,
+                distributed_optimizer=self.optimizer_name == "distributed",
+                bf16=self.megatron_bf16,
             )
 
     def _language_model(self, **config: Any) -> Any:
@@ -358,15 +366,15 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
 
     def configure_optimizers(self) -> Any:
         optimizer: Any
-        if self.hparams.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        if self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
         else:
             optimizer = megatron_optimizer(
                 self.gpt,
-                lr=self.hparams.lr,
+                lr=self.lr,
                 weight_decay=0.01,
-                distributed_optimizer=self.hparams.optimizer == "distributed",
-                bf16=self.hparams.megatron_bf16,
+                distributed_optimizer=self.optimizer_name == "distributed",
+                bf16=self.megatron_bf16,
             )
         return {
             "optimizer": optimizer,
@@ -433,6 +441,7 @@ class HFGPTModule(TinyGPTModule):
     ) -> None:
         super().__init__(lr=lr, dropout=dropout)
         self.save_hyperparameters()
+        self.hf_model_path = hf_model_path
         self.model: Any = None
 
     def _net(self) -> Any:
@@ -443,10 +452,10 @@ class HFGPTModule(TinyGPTModule):
             return
         from lightning_mcore_ckpt.hf import HFBridge
 
-        bridge = HFBridge(self.hparams.hf_model_path)
+        bridge = HFBridge(self.hf_model_path)
         config = bridge.transformer_config(
-            hidden_dropout=self.hparams.dropout,
-            attention_dropout=self.hparams.dropout,
+            hidden_dropout=self.dropout,
+            attention_dropout=self.dropout,
             sequence_parallel=getattr(self.trainer.strategy, "sequence_parallel", False),
         )
         self.model = bridge.gpt_model(config)

@@ -3,15 +3,18 @@
 :func:`check_resume` runs a job uninterrupted and interrupted (a clean stop, SIGTERM, a hard
 kill), resumes it with ``fit(ckpt_path="last")`` and compares, batch by batch and rank by rank,
 the losses, the samples received, every RNG stream, weights, optimizer and LR scheduler state and
-the loop counters; :class:`ResumeReport` names the first divergence. The command line
-``lightning-mcore-ckpt check-resume --config run.yaml --stop-at K`` does the same for a
-LightningCLI config.
+the loop counters; :class:`ResumeReport` names the first divergence. A run of the job that
+fails to run is not a divergence: :class:`JobFailed` names the run, the ranks and the exception.
+The command line ``lightning-mcore-ckpt check-resume --config run.yaml --stop-at K`` does the
+same for a LightningCLI config.
 """
 
 from lightning_mcore_ckpt.resume_check._compare import Divergence
 from lightning_mcore_ckpt.resume_check._probe import ResumeProbe
 from lightning_mcore_ckpt.resume_check._run import (
     InterruptionResult,
+    JobFailed,
+    JobFailure,
     ResumeJob,
     ResumeReport,
     check_resume,
@@ -20,6 +23,8 @@ from lightning_mcore_ckpt.resume_check._run import (
 __all__ = [
     "Divergence",
     "InterruptionResult",
+    "JobFailed",
+    "JobFailure",
     "ResumeJob",
     "ResumeProbe",
     "ResumeReport",

@@ -102,6 +102,7 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     trainer = dict(data.get("trainer") or {})
     trainer["max_steps"] = max_steps
     trainer["logger"] = False  # runs of the check do not add to the job's own logs
+    trainer["enable_model_summary"] = False  # nor a model summary per run to the report
     trainer["default_root_dir"] = str(run_dir)
     data["trainer"] = trainer
     config = run_dir / "config.yaml"

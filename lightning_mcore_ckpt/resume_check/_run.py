@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
+import sysconfig
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_mcore_ckpt._launch import DistributedFailure
 from lightning_mcore_ckpt.resume_check._compare import (
     Divergence,
     compare_finals,
@@ -18,7 +22,14 @@ from lightning_mcore_ckpt.resume_check._compare import (
 )
 from lightning_mcore_ckpt.resume_check._job import ResumeJob, read_config, run_job
 
-__all__ = ["InterruptionResult", "ResumeJob", "ResumeReport", "check_resume"]
+__all__ = [
+    "InterruptionResult",
+    "JobFailed",
+    "JobFailure",
+    "ResumeJob",
+    "ResumeReport",
+    "check_resume",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,55 @@ class InterruptionResult:
 
 
 @dataclass
+class JobFailure:
+    """A run of the job that failed to run (it raised, died or hung), so nothing was compared.
+
+    ``run`` says which (``"the uninterrupted run"``, ``"the resumed run (sigterm)"``, ...),
+    ``ranks`` the ranks that failed with ``exception`` (``"AttributeError: ..."``, its type and
+    message; for a rank that died or hung, what was seen), ``where`` the innermost frame of it
+    outside the installed libraries (``"my_job.py:42, in configure_model"``), ``traceback`` the
+    whole traceback of the first rank.
+
+    Example::
+
+        try:
+            check_resume(build, stop_at=5, max_steps=10)
+        except JobFailed as err:
+            print(err.failure.run, err.failure.ranks, err.failure.exception)
+    """
+
+    run: str
+    ranks: list[int]
+    exception: str
+    where: str | None = None
+    traceback: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "ranks": self.ranks,
+            "exception": self.exception,
+            "where": self.where,
+            "traceback": self.traceback,
+        }
+
+
+class JobFailed(DistributedFailure):
+    """:func:`check_resume` could not judge resume: a run of the job failed to run.
+
+    Not a divergence: the job itself raised (or died, or hung) in one of the runs. ``failure``
+    (a :class:`JobFailure`) names the run, the ranks and the exception; ``report`` holds what
+    was judged before it (``report.failure`` is the same failure). ``str(err)`` is the report.
+    """
+
+    def __init__(self, report: ResumeReport) -> None:
+        assert report.failure is not None
+        self.report = report
+        self.failure: JobFailure = report.failure
+        super().__init__(str(report))
+
+
+@dataclass
 class ResumeReport:
     """The outcome of :func:`check_resume`.
 
@@ -75,6 +135,9 @@ class ResumeReport:
     nondeterminism: Divergence | None = None
     results: list[InterruptionResult] = field(default_factory=list)
     workdir: str | None = None
+    failure: JobFailure | None = None
+    """A run of the job that failed to run (then :func:`check_resume` raises
+    :class:`JobFailed`): resume was not judged from there on."""
 
     @property
     def deterministic(self) -> bool:
@@ -82,7 +145,7 @@ class ResumeReport:
 
     @property
     def exact(self) -> bool:
-        return self.deterministic and all(r.exact for r in self.results)
+        return self.failure is None and self.deterministic and all(r.exact for r in self.results)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +159,7 @@ class ResumeReport:
             ),
             "results": [r.to_dict() for r in self.results],
             "workdir": self.workdir,
+            "failure": None if self.failure is None else self.failure.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -122,8 +186,82 @@ class ResumeReport:
                 lines.append(f"{r.how:8s} DIVERGED ({where}) at {r.divergence.message}")
                 if r.divergence.detail:
                     lines.append(" " * 9 + r.divergence.detail)
+        if self.failure is not None:
+            lines.extend(_describe_failure(self.failure))
+            lines.append("NOT CHECKED: the job failed to run")
+            return "\n".join(lines)
         lines.append("EXACT" if self.exact else "NOT EXACT")
         return "\n".join(lines)
+
+
+def _describe_failure(failure: JobFailure) -> list[str]:
+    ranks = ", ".join(map(str, failure.ranks))
+    on = f" on rank{'s' if len(failure.ranks) > 1 else ''} {ranks}" if ranks else ""
+    lines = [f"FAILED TO RUN: {failure.run} failed{on}, so resume could not be judged:"]
+    lines.extend("  " + line for line in failure.exception.splitlines() or [""])
+    if failure.where:
+        lines.append(f"  at {failure.where}")
+    lines.append(
+        "  This is an error of the job itself, not a divergence: fix it, then run the check "
+        "again (the JSON report, --json, has its whole traceback)."
+    )
+    return lines
+
+
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+_FAILED_FILE = "failed_rank_{rank:05d}.json"
+
+
+def _user_frame(tb: Any) -> str | None:
+    """The innermost frame of a traceback outside the standard library and installed packages
+    (the job's own code, or this package in a source checkout), else the innermost one."""
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return None
+    ours = [f for f in frames if not f.filename.startswith(_LIBRARIES) and "<" not in f.filename]
+    frame = (ours or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}, in {frame.name}"
+
+
+def _record_failure(probe_dir: Path, rank: int, err: BaseException) -> None:
+    """What a rank raised, for the parent to name the run, the rank and the exception."""
+    message = str(err)
+    record = {
+        "exception": f"{type(err).__name__}: {message}" if message else type(err).__name__,
+        "where": _user_frame(err.__traceback__),
+        "traceback": "".join(traceback.format_exception(err)),
+    }
+    try:
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        (probe_dir / _FAILED_FILE.format(rank=rank)).write_text(json.dumps(record))
+    except OSError:  # the failure is still reported, from what the launcher saw
+        pass
+
+
+def _job_failure(run: str, probe_dir: Path, err: DistributedFailure) -> JobFailure:
+    """The failure of a run: what its ranks recorded, else what the launcher saw."""
+    recorded = {}
+    for path in sorted(probe_dir.glob("failed_rank_*.json")):
+        try:
+            recorded[int(path.stem.split("_")[2])] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    seen = str(err)
+    named = re.match(r"rank (\d+) of \d+", seen)
+    first = int(named.group(1)) if named else None
+    if recorded:
+        rank = first if first in recorded else min(recorded)
+        mine = recorded[rank]
+        ranks = sorted(r for r, v in recorded.items() if v["exception"] == mine["exception"])
+        return JobFailure(run, ranks, mine["exception"], mine.get("where"), mine["traceback"])
+    many = re.match(r"ranks \[([\d, ]*)\] of \d+", seen)
+    if many:
+        ranks = [int(r) for r in many.group(1).split(",") if r.strip()]
+    else:
+        ranks = [] if first is None else [first]
+    return JobFailure(run, ranks, seen.splitlines()[0] if seen else type(err).__name__)
 
 
 def _read_run(probe_dir: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, Any], int]:
@@ -153,8 +291,11 @@ def _job_main(
     how: str | None,
     stop_at: int,
 ) -> None:
-
-    run_job(source, Path(run_dir), Path(ckpt_dir), max_steps, ckpt_path, how, stop_at)
+    try:
+        run_job(source, Path(run_dir), Path(ckpt_dir), max_steps, ckpt_path, how, stop_at)
+    except BaseException as err:
+        _record_failure(Path(run_dir) / "probe", rank, err)
+        raise
 
 
 def _launch(
@@ -167,17 +308,19 @@ def _launch(
     how: str | None,
     stop_at: int,
     timeout: float,
-) -> None:
-    from lightning_mcore_ckpt._launch import DistributedFailure, run_distributed
+) -> DistributedFailure | None:
+    """Run the job; what stopped it when it failed to run (``None``: it ran)."""
+    from lightning_mcore_ckpt._launch import run_distributed
 
     args = (source, str(run_dir), str(ckpt_dir), max_steps, ckpt_path, how, stop_at)
     try:
         run_distributed(_job_main, world_size, *args, timeout=timeout)
-    except DistributedFailure:
+    except DistributedFailure as err:
         killed = sorted((run_dir / "probe").glob("killed_rank_*"))
         if how == "kill" and len(killed) == world_size:
-            return  # every rank reached the kill point: the job died as intended
-        raise
+            return None  # every rank reached the kill point: the job died as intended
+        return err
+    return None
 
 
 def check_resume(
@@ -206,6 +349,10 @@ def check_resume(
     ``max_steps``. Per-step losses, the samples every rank received, every RNG stream, weights,
     optimizer and LR scheduler state and the loop counters are compared bit for bit, batch by
     batch; the report names the first divergence.
+
+    A run of the job that fails to run (it raises, a rank dies, or it does not finish within
+    ``timeout`` seconds) is not a divergence: :class:`JobFailed` is raised, naming the run, the
+    ranks and the exception (``err.failure``), with what was judged before it (``err.report``).
 
     Runs on the processes of this machine (``world_size``: the Trainer's ``devices``, from the
     config, or 1), CPU or GPU as the job says.
@@ -258,15 +405,25 @@ def check_resume(
     report.workdir = None if owned else str(root)
     try:
 
-        def launch(run_dir: Path, ckpt: str | None, way: str | None) -> Any:
+        def launch(run_dir: Path, ckpt: str | None, way: str | None, run: str) -> Any:
             ckpt_dir = run_dir.parent / "checkpoints"
             steps = stop_at if way == "max_steps" else max_steps
-            _launch(source, world_size, run_dir, ckpt_dir, steps, ckpt, way, stop_at, timeout)
+            failed = _launch(
+                source, world_size, run_dir, ckpt_dir, steps, ckpt, way, stop_at, timeout
+            )
+            if failed is not None:
+                report.failure = _job_failure(run, run_dir / "probe", failed)
+                raise JobFailed(report) from failed
             return _read_run(run_dir / "probe")
 
-        ref, ref_final, _ = launch(root / "reference" / "run", None, None)
+        ref, ref_final, _ = launch(root / "reference" / "run", None, None, "the uninterrupted run")
         if check_determinism:
-            again, again_final, _ = launch(root / "reference_again" / "run", None, None)
+            again, again_final, _ = launch(
+                root / "reference_again" / "run",
+                None,
+                None,
+                "the second uninterrupted run (the determinism check)",
+            )
             report.nondeterminism = compare_timelines(ref, again) or compare_finals(
                 ref_final, again_final
             )
@@ -274,8 +431,10 @@ def check_resume(
                 return report
         for way in hows:
             base = root / way
-            launch(base / "interrupted", None, way)
-            run, final, resumed_from = launch(base / "resumed", "last", None)
+            launch(base / "interrupted", None, way, f"the interrupted run ({way})")
+            run, final, resumed_from = launch(
+                base / "resumed", "last", None, f"the resumed run ({way})"
+            )
             divergence: Divergence | None
             if resumed_from == 0:
                 divergence = Divergence(

@@ -37,3 +37,25 @@ def test_tiny_hf_qwen2_loads_offline_with_its_tokenizer(
         model.state_dict().items(), again.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_tiny_modules_read_their_arguments_from_attributes_not_hparams(tmp_path: Path) -> None:
+    from lightning.fabric.utilities.data import AttributeDict
+
+    from lightning_mcore_ckpt.tiny import HFGPTModule, TinyGPTModule
+
+    class Narrow(TinyGPTModule):  # a user's subclass forwarding one argument of the base's
+        def __init__(self, width: int = 3) -> None:
+            super().__init__(lr=0.005)
+
+    module = Narrow()
+    # What LightningCLI leaves in hparams: the arguments of the class it built, only.
+    module._hparams = AttributeDict(width=3)
+    module.gpt = torch.nn.Linear(2, 2)
+    configured = module.configure_optimizers()
+    assert isinstance(configured["optimizer"], torch.optim.AdamW)
+    assert configured["optimizer"].param_groups[0]["lr"] == 0.005
+    assert (module.dropout, module.num_layers, module.optimizer_name) == (0.1, 2, "adamw")
+    assert module.megatron_bf16 is False
+    hf_module = HFGPTModule(tmp_path / "hf", dropout=0.2)
+    assert (hf_module.hf_model_path, hf_module.dropout) == (tmp_path / "hf", 0.2)

@@ -153,6 +153,7 @@ class MegatronCheckpoint(StepTriggers):
         self._lock: DirectoryLock | None = None
         self._filters: list[Any] | None = None
         self._found_last: bool | None = None  # see _find_last_checkpoints
+        self._writing_epoch: int | None = None  # the epoch of the step being written
         self._init_triggers()
 
     # --- identity, state ------------------------------------------------------------------
@@ -295,6 +296,10 @@ class MegatronCheckpoint(StepTriggers):
         fit = checkpoint.get("loops", {}).get("fit_loop")
         if fit is not None:
             _loops.close_epoch(fit)
+        if self._writing_epoch is not None:
+            # A step written once Lightning has closed its epoch records the epoch of its
+            # trigger (Lightning's checkpoint would have been written there), not the next.
+            checkpoint["epoch"] = self._writing_epoch
 
     @override
     def on_load_checkpoint(
@@ -354,17 +359,24 @@ class MegatronCheckpoint(StepTriggers):
         assert self._committer is not None
         self._committer.remove_after(self._last_global_step_saved, Path(filepath))
 
-    def _write(self, trainer: pl.Trainer, target: Path, candidates: dict[str, Any]) -> None:
+    def _write(
+        self, trainer: pl.Trainer, target: Path, candidates: dict[str, Any], epoch: int
+    ) -> None:
         assert self._committer is not None
         monitor = monitor_entry(self.monitor, candidates.get(self.monitor or ""))
-        self._committer.write(
-            trainer,
-            target,
-            monitor=monitor,
-            synchronous=self._synchronous,
-            export=self._export_next,
-            preempted=self.preempted,
-        )
+        self._writing_epoch = epoch  # see on_save_checkpoint
+        try:
+            self._committer.write(
+                trainer,
+                target,
+                epoch=epoch,
+                monitor=monitor,
+                synchronous=self._synchronous,
+                export=self._export_next,
+                preempted=self.preempted,
+            )
+        finally:
+            self._writing_epoch = None
 
     # --- outcomes -------------------------------------------------------------------------
 

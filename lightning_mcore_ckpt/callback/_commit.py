@@ -105,12 +105,14 @@ class Committer:
         trainer: pl.Trainer,
         target: Path,
         *,
+        epoch: int,
         monitor: dict[str, Any] | None,
         synchronous: bool,
         export: bool,
         preempted: bool = False,
     ) -> None:
         """Write one step through the strategy. Collective: every rank, in the same order.
+        ``epoch``: the epoch it records (the one its batch ran in).
 
         1) finalise the save in flight and report finished commits (one save at a time);
         2) rank 0 decides (:meth:`_decide`); every rank learns it;
@@ -121,7 +123,9 @@ class Committer:
         """
         strategy = trainer.strategy
         strategy.finalize_pending_save(blocking=True)  # type: ignore[attr-defined]
-        self.process(wait=True)
+        # What Lightning let go for this step (an epoch-end save is written after its
+        # bookkeeping) waits for this step's commit.
+        self.process(wait=True, upcoming=trainer.global_step)
         started = time.perf_counter()
         decision = self._decide(target) if trainer.is_global_zero else None
         decision = strategy.broadcast(decision)
@@ -139,7 +143,7 @@ class Committer:
         contents = tuple(c for c in self.save_contents if c != "hf_model")
         self._intents[target] = Intent(
             step=trainer.global_step,
-            epoch=trainer.current_epoch,
+            epoch=epoch,
             contents=contents,
             monitor=monitor,
             export=export,
@@ -234,7 +238,7 @@ class Committer:
         if self.is_global_zero:
             self._submit(target, self._export_into_committed, target)
 
-    def process(self, wait: bool, *, collective: bool = True) -> None:
+    def process(self, wait: bool, *, collective: bool = True, upcoming: int | None = None) -> None:
         """Report the commits and exports that finished, in order, on every rank.
 
         Collective while any is awaited (every rank calls it at the same point): rank 0, which
@@ -242,7 +246,8 @@ class Committer:
         :class:`CheckpointSaveError` on every rank (through ``on_failed``) instead of on rank 0
         alone. With ``wait=True``, wait for every one in flight first. ``collective=False``
         (after an error, when the other ranks may be gone): rank 0 waits and logs, raising
-        nothing.
+        nothing. ``upcoming``: the step about to be written; what Lightning let go for it is
+        not deleted before it is committed.
         """
         if not collective:
             self._drain()
@@ -262,7 +267,7 @@ class Committer:
                     self._retain_due = True
                     if self.is_global_zero:
                         self._on_committed(metadata)
-            self._schedule_retention(settled=wait and not self._intents)
+            self._schedule_retention(settled=wait and not self._intents, upcoming=upcoming)
             if not (wait and self._commits):
                 return
 
@@ -306,16 +311,19 @@ class Committer:
                 except Exception as err:  # noqa: BLE001
                     log.error("reporting the commit of %s: %s", target, err)
 
-    def _schedule_retention(self, settled: bool) -> None:
+    def _schedule_retention(self, settled: bool, upcoming: int | None = None) -> None:
         # Retention follows the commits, with the bookkeeping of this moment on the training
         # thread (Lightning has finished the trigger that saved a step: its "last" names it).
-        # What Lightning let go is deleted once the step that replaced it is committed.
-        ready = [p for tag, p in self._removals if settled or tag <= self._committed]
+        # What Lightning let go is deleted once the step that replaced it is committed; once
+        # nothing is in flight (settled), whatever it was let go for, but for the step about
+        # to be written (upcoming).
+        def due(tag: int) -> bool:
+            return tag <= self._committed or (settled and tag != upcoming)
+
+        ready = [p for tag, p in self._removals if due(tag)]
         if not (ready or self._retain_due) or not self.is_global_zero:
             return
-        self._removals = [
-            (t, p) for t, p in self._removals if not (settled or t <= self._committed)
-        ]
+        self._removals = [(t, p) for t, p in self._removals if not due(t)]
         self._retain_due = False
         replaced, self._replaced = (
             (self._replaced, set()) if self._committed >= 0 else (set(), self._replaced)

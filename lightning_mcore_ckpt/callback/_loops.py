@@ -172,6 +172,11 @@ def validation_due(trainer: pl.Trainer) -> bool:
 
 
 def validation_enabled(trainer: pl.Trainer) -> bool:
+    """Whether validation runs during this fit (at some point: with
+    ``check_val_every_n_epoch=2`` its loader is set up only at the first validation)."""
+    if not trainer.enable_validation:
+        return False
+    if trainer.fit_loop.epoch_loop.val_loop._combined_loader is None:
+        return True  # not set up yet: Lightning loads it where the first validation runs
     batches = trainer.num_val_batches
-    total = sum(batches) if isinstance(batches, list) else batches
-    return bool(trainer.enable_validation and total)
+    return bool(sum(batches) if isinstance(batches, list) else batches)

@@ -84,9 +84,14 @@ class StepTriggers(ModelCheckpoint):
         self._export_next = False
         self._val_step = -1
         self._step_of_save: int | None = None
+        self._deferred_epoch = 0
 
-    def _write(self, trainer: pl.Trainer, target: Path, candidates: dict[str, Any]) -> None:
-        """Write the step ``target`` (collective), with the monitor candidates of its trigger."""
+    def _write(
+        self, trainer: pl.Trainer, target: Path, candidates: dict[str, Any], epoch: int
+    ) -> None:
+        """Write the step ``target`` (collective), with the monitor candidates of its trigger
+        and the epoch it records: Lightning's ``current_epoch`` when the trigger fired, as
+        Lightning's checkpoint records it (also for a step written once the epoch is closed)."""
         raise NotImplementedError
 
     def _log_commits(self, trainer: pl.Trainer, wait: bool) -> None:
@@ -208,18 +213,24 @@ class StepTriggers(ModelCheckpoint):
     def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, Any]:
         candidates = super()._monitor_candidates(trainer)
         self._step_of_save = trainer.global_step  # the step every save from here names
-        if self._in_batch_end and self.monitor in candidates and not self._fresh(trainer):
+        if self._in_batch_end:
             # Logged by an earlier validation, not by this step: without it Lightning waits for
             # the next validation to rank (and record) the step by its own value.
-            del candidates[self.monitor]
+            self._drop_stale(trainer, candidates)
         self._candidates = candidates
         return candidates
 
-    def _fresh(self, trainer: pl.Trainer) -> bool:
-        if self._val_step == trainer.global_step:
-            return True
+    def _drop_stale(self, trainer: pl.Trainer, candidates: dict[str, Any]) -> None:
+        """Remove the monitor's value when an earlier validation logged it, not this step.
+        ``"step"`` and ``"epoch"``, unless logged, are Lightning's counters: always current."""
+        monitor = self.monitor
+        if monitor is None or monitor not in candidates:
+            return
+        if monitor not in trainer.callback_metrics or self._val_step == trainer.global_step:
+            return
         results = trainer.fit_loop.epoch_loop._results
-        return any(result.meta.name == self.monitor for result in results.values())
+        if not any(result.meta.name == monitor for result in results.values()):
+            del candidates[monitor]
 
     @override
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
@@ -235,8 +246,9 @@ class StepTriggers(ModelCheckpoint):
             # Lightning's epoch-end triggers fire before its per-epoch LR schedulers step and
             # before the epoch counts as done: the step is written once the epoch is closed.
             self._deferred = dict(self._candidates)
+            self._deferred_epoch = trainer.current_epoch
             return
-        self._write(trainer, Path(filepath), self._candidates)
+        self._write(trainer, Path(filepath), self._candidates, trainer.current_epoch)
 
     def _save_final(
         self, trainer: pl.Trainer, synchronous: bool = False, export_hf: bool = False
@@ -245,8 +257,7 @@ class StepTriggers(ModelCheckpoint):
         self._synchronous, self._export_next = synchronous, export_hf
         try:
             candidates = self._monitor_candidates(trainer)
-            if self.monitor in candidates and not self._fresh(trainer):
-                del candidates[self.monitor]
+            self._drop_stale(trainer, candidates)
             if self.save_last:
                 self._save_last_checkpoint(trainer, candidates)
             if self._last_global_step_saved != trainer.global_step:
@@ -266,7 +277,8 @@ class StepTriggers(ModelCheckpoint):
             return
         candidates, self._deferred = self._deferred, None
         self._synchronous = synchronous
+        target = layout.step_dir(self._root, trainer.global_step)
         try:
-            self._write(trainer, layout.step_dir(self._root, trainer.global_step), candidates)
+            self._write(trainer, target, candidates, self._deferred_epoch)
         finally:
             self._synchronous = False

@@ -3,8 +3,13 @@
 :func:`run_specs` runs several independent fits in one process (one process start for a whole
 parametrised table) and returns, per fit, what the tests compare with Lightning's documented
 ``ModelCheckpoint`` behaviour: the complete steps on disk, the callback's bookkeeping attributes
-and ``state_dict()``, what loggers were told, the monitor values recorded in each step's
-``metadata.json``, and any error the fit raised.
+and ``state_dict()``, what loggers were told, the monitor values and the epoch recorded in each
+step, and any error the fit raised.
+
+:func:`run_pairs` runs each fit twice, side by side: once with :class:`MegatronCheckpoint`, once
+with Lightning's own ``ModelCheckpoint`` on a plain module that logs the same values at the same
+steps (:func:`reference_fit`); both are reported by step (:func:`by_step`), so that a test can
+compare what each kept, ranked and recorded.
 """
 
 from __future__ import annotations
@@ -49,6 +54,39 @@ def _snapshot(value: Any) -> Any:
 
 def callback_attrs(callback: Any) -> dict[str, Any]:
     return {name: _snapshot(getattr(callback, name, MISSING)) for name in ATTRS}
+
+
+def by_step(attrs: dict[str, Any], step_of: Any) -> dict[str, Any]:
+    """A callback's bookkeeping with each path replaced by the step it holds (``None`` for no
+    path) and each score as a float, so that two callbacks that name checkpoints differently
+    (a ``.ckpt`` file, a step directory) can be compared."""
+
+    def number(value: Any) -> float | None:
+        return None if value is None else float(value)
+
+    def step(path: Any) -> int | None:
+        return step_of(str(path)) if path else None
+
+    return {
+        "best_k": {step(p): number(v) for p, v in attrs["best_k_models"].items()},
+        "best": step(attrs["best_model_path"]),
+        "best_score": number(attrs["best_model_score"]),
+        "kth": step(attrs["kth_best_model_path"]),
+        "kth_value": number(attrs["kth_value"]),
+        "current_score": number(attrs["current_score"]),
+        "last": step(attrs["last_model_path"]),
+    }
+
+
+def _error(err: Exception) -> dict[str, Any]:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    return {
+        "type": type(err).__name__,
+        "message": str(err),
+        "value_error": isinstance(err, ValueError),
+        "misconfiguration": isinstance(err, MisconfigurationException),
+    }
 
 
 def _module_class() -> type:
@@ -161,8 +199,12 @@ def fit(
     evaluate: str | None = None,
     chdir: str | None = None,
     home: str | None = None,
+    refit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Build a Trainer with one :class:`MegatronCheckpoint` and fit; report what happened."""
+    """Build a Trainer with one :class:`MegatronCheckpoint` and fit; report what happened.
+
+    ``refit``: then raise the same Trainer's ``max_epochs``/``max_steps`` to these values and
+    call ``fit`` on it again (its bookkeeping after the first fit is ``out["first"]``)."""
     import lightning.pytorch as pl
     from _trainer import gathered_weights, loader, make_trainer
 
@@ -213,19 +255,18 @@ def fit(
         run.fit(
             module, train_dataloaders=loader(samples, 2), val_dataloaders=val, ckpt_path=ckpt_path
         )
+        if refit is not None:
+            out["first"] = callback_attrs(ckpt)
+            for name, value in refit.items():
+                setattr(run.fit_loop, name, value)
+            val = loader(4, 2) if val_scores is not None or evaluate else None
+            run.fit(module, train_dataloaders=loader(samples, 2), val_dataloaders=val)
         if evaluate is not None:
             getattr(run, evaluate)(module, dataloaders=loader(4, 2), ckpt_path="best")
             out["evaluated_from"] = run.ckpt_path
             out["weights_after_evaluate"] = gathered_weights(run)
     except Exception as err:  # noqa: BLE001 - reported to the test, which asserts on it
-        from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-        out["error"] = {
-            "type": type(err).__name__,
-            "message": str(err),
-            "value_error": isinstance(err, ValueError),
-            "misconfiguration": isinstance(err, MisconfigurationException),
-        }
+        out["error"] = _error(err)
     finally:
         if wandb_run:
             import wandb
@@ -237,6 +278,16 @@ def fit(
     complete = layout.complete_steps(root) if root.is_dir() else []
     out["complete"] = [s.step for s in complete]
     out["monitor"] = {s.step: (layout.read_metadata(s.path) or {}).get("monitor") for s in complete}
+    # The epoch each step records: in metadata.json, and in Lightning's state in extra/.
+    out["epochs"] = {
+        s.step: {
+            "metadata": (layout.read_metadata(s.path) or {}).get("epoch"),
+            "extra": torch.load(
+                s.path / "extra" / "rank_00000.pt", weights_only=False, map_location="cpu"
+            )["lightning"].get("epoch"),
+        }
+        for s in complete
+    }
     if ckpt is not None:
         out["attrs"] = callback_attrs(ckpt)
         try:
@@ -252,3 +303,119 @@ def fit(
 def run_specs(rank: int, world_size: int, specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Run each spec (keyword arguments of :func:`fit`) in order, in this one process."""
     return {name: fit(rank, world_size, **spec) for name, spec in specs.items()}
+
+
+def _reference_module_class() -> type:
+    import lightning.pytorch as pl
+
+    class Reference(pl.LightningModule):  # type: ignore[misc]
+        """A plain module that logs what ``ScoredModule`` logs, at the same steps."""
+
+        def __init__(self, scores: dict[int, float] | None, val_scores: dict[int, float] | None):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.scores, self.val_scores = scores, val_scores
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.scores is not None:
+                self.log("train_metric", torch.tensor(self.scores[self.trainer.global_step + 1]))
+            return self.layer(batch[0]).sum()  # type: ignore[no-any-return]
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            if self.val_scores is not None:
+                self.log("val_loss", torch.tensor(self.val_scores[self.trainer.global_step]))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Reference
+
+
+def reference_fit(
+    dirpath: str,
+    *,
+    max_steps: int = 6,
+    samples: int = 64,
+    callback: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
+    scores: dict[int, float] | None = SCORES,
+    val_scores: dict[int, float] | None = None,
+    ckpt_path: str | None = None,
+    refit: dict[str, Any] | None = None,
+    probe: bool = False,
+    **_: Any,
+) -> dict[str, Any]:
+    """:func:`fit`'s run with Lightning's own ``ModelCheckpoint`` (same options, same batches
+    per epoch, same validation, same logged values) on one CPU process: what Lightning does."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    out: dict[str, Any] = {"error": None, "start": None}
+    ckpt = ModelCheckpoint(dirpath=dirpath, **(callback or {}))
+
+    def files() -> dict[str, dict[str, int]]:
+        found = {}
+        for path in sorted(Path(dirpath).glob("*.ckpt")):
+            saved = torch.load(path, weights_only=False, map_location="cpu")
+            found[str(path)] = {"step": saved["global_step"], "epoch": saved["epoch"]}
+        return found
+
+    def bookkeeping() -> dict[str, Any]:
+        # By step, with the files of this moment ("last.ckpt" is rewritten at every save).
+        now = files()
+        return by_step(callback_attrs(ckpt), lambda path: now.get(path, {}).get("step", -1))
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if probe:
+                out["start"] = callback_attrs(ckpt)
+                out["start_by_step"] = bookkeeping()
+
+    def data(n: int) -> Any:
+        return DataLoader(TensorDataset(torch.zeros(n, 2)), batch_size=2)
+
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ckpt, Probe()],
+        **(trainer or {}),
+    )
+    module = _reference_module_class()(scores, val_scores)
+    val = data(4) if val_scores is not None else None
+    try:
+        run.fit(module, train_dataloaders=data(samples), val_dataloaders=val, ckpt_path=ckpt_path)
+        if refit is not None:
+            out["first"] = callback_attrs(ckpt)
+            out["first_by_step"] = bookkeeping()
+            for name, value in refit.items():
+                setattr(run.fit_loop, name, value)
+            run.fit(module, train_dataloaders=data(samples), val_dataloaders=val)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        out["error"] = _error(err)
+    out["files"] = files()
+    out["attrs"] = callback_attrs(ckpt)
+    out["by_step"] = bookkeeping()
+    return out
+
+
+def run_pairs(rank: int, world_size: int, specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each spec run twice: ``"ours"`` (:func:`fit`, in ``<dirpath>``) and ``"lightning"``
+    (:func:`reference_fit`, in ``<dirpath>-lightning``), with their bookkeeping by step."""
+    from lightning_mcore_ckpt import layout
+
+    results = {}
+    for name, spec in specs.items():
+        ours = fit(rank, world_size, **spec)
+        for key in ("attrs", "first", "start"):
+            if ours.get(key) is not None:
+                prefix = "" if key == "attrs" else f"{key}_"
+                ours[f"{prefix}by_step"] = by_step(ours[key], layout.step_number)
+        lightning = reference_fit(**{**spec, "dirpath": f"{spec['dirpath']}-lightning"})
+        results[name] = {"ours": ours, "lightning": lightning}
+    return results

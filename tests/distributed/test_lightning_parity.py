@@ -8,28 +8,39 @@ Intended differences from Lightning 2.6.6, asserted here:
 
 - without a ``monitor``, the default keeps every step (Lightning's ``save_top_k=1`` keeps one);
 - "last" is the newest committed step, not a separate ``last.ckpt`` (as Lightning never deletes
-  the file it resumed from, the step a run resumed from is kept);
+  the file it resumed from, the step a run resumed from is kept); with ``save_last=True`` the
+  final step is saved when ``fit`` ends, also where Lightning's last copy is of an earlier one;
 - ``WandbLogger(log_model=...)`` is refused (it uploads checkpoint files; steps are directories);
-- a URL ``dirpath`` is refused, and ``~`` is expanded only where ``dirpath`` starts with it;
+- a URL ``dirpath`` other than ``s3://`` is refused, and ``~`` is expanded only where
+  ``dirpath`` starts with it;
 - ``train_time_interval=timedelta(0)`` is "off" (Lightning saves at every batch);
 - with a validation-only ``monitor``, a step saved where a validation runs records that
   validation's value (Lightning records the previous validation's value mid-epoch, and skips
   the save when the step trigger falls on the epoch's last batch).
 
 Each parametrised table runs as one process (several fits in a row, see ``_parity.run_specs``),
-so the file stays fast; every case still asserts its own exact outcome.
+so the file stays fast; every case still asserts its own exact outcome. The matrix (section 14)
+runs each cell side by side with Lightning's own ``ModelCheckpoint`` (``_parity.run_pairs``) and
+compares the two, step by step.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _parity import SCORES, VAL_SCORES, run_specs  # tests/distributed, on the path (conftest)
+from _parity import (  # tests/distributed, on the path (conftest)
+    SCORES,
+    VAL_SCORES,
+    run_pairs,
+    run_specs,
+)
 
 from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.testing import run_distributed
@@ -75,10 +86,14 @@ class _Runs:
         self.done: dict[str, Any] = {}
 
     def __call__(
-        self, table: str, specs: dict[str, dict[str, Any]], world_size: int = 1
+        self,
+        table: str,
+        specs: dict[str, dict[str, Any]],
+        world_size: int = 1,
+        fn: Callable[..., Any] = run_specs,
     ) -> list[dict[str, Any]]:
         if table not in self.done:
-            self.done[table] = run_distributed(run_specs, world_size, specs, timeout=280)
+            self.done[table] = run_distributed(fn, world_size, specs, timeout=280)
         return self.done[table]  # type: ignore[no-any-return]
 
     def dir(self, table: str, case: str) -> Path:
@@ -91,10 +106,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
 
 
 def _table(
-    runs: _Runs, table: str, cases: dict[str, dict[str, Any]], world_size: int = 1
+    runs: _Runs,
+    table: str,
+    cases: dict[str, dict[str, Any]],
+    world_size: int = 1,
+    fn: Callable[..., Any] = run_specs,
 ) -> list[dict[str, Any]]:
     specs = {case: {"dirpath": str(runs.dir(table, case)), **spec} for case, spec in cases.items()}
-    return runs(table, specs, world_size)
+    return runs(table, specs, world_size, fn)
 
 
 # --- 1. save_top_k with a monitor ------------------------------------------------------------
@@ -507,3 +526,161 @@ def test_url_dirpath_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert list(tmp_path.iterdir()) == []  # no "s3:" or "memory:" directory
     assert error is not None, f"dirpath={url!r} was accepted"
     assert "dirpath" in str(error) and url in str(error), str(error)
+
+
+# --- 14. side by side with Lightning's ModelCheckpoint: a pairwise matrix ---------------------
+#
+# Each cell runs MegatronCheckpoint and Lightning's own ModelCheckpoint (same options, a plain
+# module logging the same values at the same steps, the same epochs and validations) and
+# compares what each kept, ranked and recorded, by step. Epochs of 3 batches, 12 steps: epochs
+# end at steps 3, 6, 9 and 12; validation runs at every epoch end, or every second one.
+
+STEPS_PER_EPOCH, MAX_STEPS = 3, 12
+SCORES_12 = {1: 5.0, 2: 2.0, 3: 7.0, 4: 1.0, 5: 6.0, 6: 3.0, 7: 8.0, 8: 0.5, 9: 4.0, 10: 9.0}
+SCORES_12 |= {11: 2.5, 12: 6.5}
+"""``train_metric`` at each step: neither monotonic nor the same order at epoch ends."""
+VAL_SCORES_12 = {3: 4.0, 6: 9.0, 9: 0.5, 12: 3.0}
+"""``val_loss`` of the validation at each epoch end."""
+CADENCES = {"epochs": {"every_n_epochs": 1}, "steps": {"every_n_train_steps": 2}}
+AXES: dict[str, tuple[Any, ...]] = {
+    "trigger": tuple(CADENCES),  # epoch-end saves, or step-triggered ones (some at epoch ends)
+    # None; a metric logged at every step; the two Lightning always provides; validation's
+    "monitor": (None, "train_metric", "step", "epoch", "val_loss"),
+    "check_val_every_n_epoch": (1, 2),
+    "save_top_k": (0, 1, 2, -1),
+    "mode": ("min", "max"),
+    "save_last": (True, False),
+}
+
+
+def _valid(cell: dict[str, Any]) -> bool:
+    return not (cell["monitor"] is None and cell["save_top_k"] == 2)  # refused, as in Lightning
+
+
+def _pairwise(axes: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Valid cells such that every pair of values of two axes (that a valid cell can have) is
+    in one of them; greedy and deterministic, preferring cells that add new triples."""
+    names = list(axes)
+    cells = [dict(zip(names, values, strict=True)) for values in itertools.product(*axes.values())]
+    cells = [cell for cell in cells if _valid(cell)]
+
+    def combos(cell: dict[str, Any], size: int) -> set[tuple[Any, ...]]:
+        return {
+            tuple((a, cell[a]) for a in chosen) for chosen in itertools.combinations(names, size)
+        }
+
+    pairs = set().union(*(combos(c, 2) for c in cells))
+    triples = set().union(*(combos(c, 3) for c in cells))
+    chosen = []
+    while pairs:
+        best = max(cells, key=lambda c: (len(combos(c, 2) & pairs), len(combos(c, 3) & triples)))
+        chosen.append(best)
+        pairs -= combos(best, 2)
+        triples -= combos(best, 3)
+    return chosen
+
+
+def _name(cell: dict[str, Any]) -> str:
+    return (
+        f"{cell['trigger']}-{cell['monitor'] or 'none'}-val{cell['check_val_every_n_epoch']}"
+        f"-k{cell['save_top_k']}-{cell['mode']}-last{int(cell['save_last'])}"
+    )
+
+
+MATRIX = {_name(cell): cell for cell in _pairwise(AXES)}
+TABLE_SIZE = 6  # cells per process (one process start each)
+MATRIX_TABLES = {name: f"matrix{i // TABLE_SIZE}" for i, name in enumerate(sorted(MATRIX))}
+
+
+def _matrix_spec(cell: dict[str, Any]) -> dict[str, Any]:
+    callback = {
+        **CADENCES[cell["trigger"]],
+        "monitor": cell["monitor"],
+        "save_top_k": cell["save_top_k"],
+        "mode": cell["mode"],
+        "save_last": cell["save_last"],
+    }
+    return {
+        "callback": callback,
+        "trainer": {"check_val_every_n_epoch": cell["check_val_every_n_epoch"]},
+        "max_steps": MAX_STEPS,
+        "samples": 2 * STEPS_PER_EPOCH,
+        "scores": SCORES_12,
+        "val_scores": VAL_SCORES_12,
+    }
+
+
+def _matrix_run(runs: _Runs, case: str) -> dict[str, Any]:
+    table = MATRIX_TABLES[case]
+    cases = {name: _matrix_spec(MATRIX[name]) for name, t in MATRIX_TABLES.items() if t == table}
+    return _table(runs, table, cases, fn=run_pairs)[0][case]  # type: ignore[no-any-return]
+
+
+def test_the_matrix_covers_every_pair_of_values() -> None:
+    names = list(AXES)
+    every = [dict(zip(names, values, strict=True)) for values in itertools.product(*AXES.values())]
+    for a, b in itertools.combinations(names, 2):
+        for va, vb in itertools.product(AXES[a], AXES[b]):
+            possible = any(_valid(c) for c in every if c[a] == va and c[b] == vb)
+            covered = any(c[a] == va and c[b] == vb for c in MATRIX.values())
+            assert covered == possible, (a, va, b, vb)
+    assert all(_valid(cell) for cell in MATRIX.values())
+
+
+def _epoch_of(step: int) -> int:
+    return (step - 1) // STEPS_PER_EPOCH
+
+
+def _best(k: int, mode: str, scores: dict[int, float]) -> dict[int, float]:
+    ranked = sorted(scores, key=lambda s: scores[s], reverse=mode == "max")
+    return {s: scores[s] for s in (ranked if k == -1 else ranked[:k])}
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_matrix_cell_keeps_ranks_and_records_what_lightning_does(runs: _Runs, case: str) -> None:
+    cell = MATRIX[case]
+    result = _matrix_run(runs, case)
+    ours, lightning = result["ours"], result["lightning"]
+    _no_error(ours)
+    assert lightning["error"] is None, lightning["error"]
+    final = {MAX_STEPS} if cell["save_last"] else set()
+    kept = set(ours["complete"])
+    assert ours["step_dirs"] == sorted(f"global_step_{s}" for s in kept)  # no incomplete step
+    for step in kept:  # metadata.json and Lightning's state in extra/ say the same
+        assert ours["epochs"][step]["metadata"] == ours["epochs"][step]["extra"], step
+    mine = ours["by_step"]
+    assert mine["last"] == (MAX_STEPS if cell["save_last"] else None)
+    if cell["monitor"] == "val_loss" and cell["trigger"] == "steps":
+        # A documented difference: a step-triggered save waits for the validation that follows
+        # it and is ranked and recorded with that validation's value; Lightning saves it at
+        # once with the previous validation's value (or skips it at an epoch's last batch).
+        every = cell["check_val_every_n_epoch"] * STEPS_PER_EPOCH
+        validated = {s: v for s, v in VAL_SCORES_12.items() if s % every == 0}
+        best = _best(cell["save_top_k"], cell["mode"], validated)
+        assert mine["best_k"] == best
+        assert kept == set(best) | final
+        for step in best:
+            assert ours["monitor"][step] == {"name": "val_loss", "value": VAL_SCORES_12[step]}
+        for step in kept:  # saved after the validation at its epoch's end: that epoch
+            assert ours["epochs"][step]["metadata"] == _epoch_of(step), step
+        return
+    theirs = lightning["by_step"]
+    # Lightning's bookkeeping, step for step: top-k, best, k-th, scores.
+    for key in ("best_k", "best", "best_score", "kth", "kth_value", "current_score"):
+        assert mine[key] == theirs[key], (key, mine[key], theirs[key])
+    # The steps on disk are Lightning's checkpoints; "last" is the final step itself (saved at
+    # the end with save_last=True), where Lightning keeps a copy of the last one it saved.
+    files = lightning["files"].values()
+    assert kept == {f["step"] for f in files} | final
+    assert theirs["last"] in (kept if cell["save_last"] else {None})
+    # Each step records the epoch Lightning's checkpoint of that step records: the epoch of its
+    # batch, also for a step saved at an epoch's end; a step saved only when fit ends (which
+    # Lightning saves as last.ckpt when it saved nothing else) the epochs run.
+    for saved in files:
+        assert ours["epochs"][saved["step"]]["metadata"] == saved["epoch"], saved
+        assert saved["epoch"] in (_epoch_of(saved["step"]), MAX_STEPS // STEPS_PER_EPOCH)
+    for step in kept - {f["step"] for f in files}:
+        assert ours["epochs"][step]["metadata"] == MAX_STEPS // STEPS_PER_EPOCH, step
+    # ...and the value Lightning ranked it by.
+    for step, score in theirs["best_k"].items():
+        assert ours["monitor"][step] == {"name": cell["monitor"], "value": score}, step

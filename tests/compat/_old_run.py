@@ -21,7 +21,15 @@ def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     }
 
 
-def train(rank: int, world_size: int, dirpath: str, max_steps: int, ckpt_path: Any) -> dict:
+def train(
+    rank: int,
+    world_size: int,
+    dirpath: str,
+    max_steps: int,
+    ckpt_path: Any,
+    writer: str | None = None,
+) -> dict:
+    """The run; ``writer``: ``MegatronStrategy(ckpt_writer=...)`` (0.1 had Megatron-Core's only)."""
     import lightning.pytorch as pl
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -39,7 +47,7 @@ def train(rank: int, world_size: int, dirpath: str, max_steps: int, ckpt_path: A
             started["step"] = trainer.global_step
 
     trainer = pl.Trainer(
-        strategy=MegatronStrategy(),
+        strategy=MegatronStrategy(**({"ckpt_writer": writer} if writer else {})),
         accelerator="cpu",
         devices=world_size,
         max_steps=max_steps,

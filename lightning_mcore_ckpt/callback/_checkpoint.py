@@ -154,6 +154,7 @@ class MegatronCheckpoint(StepTriggers):
         self._filters: list[Any] | None = None
         self._found_last: bool | None = None  # see _find_last_checkpoints
         self._writing_epoch: int | None = None  # the epoch of the step being written
+        self._own_steps: set[int] = set()  # committed by this callback (rank 0), every fit
         self._init_triggers()
 
     # --- identity, state ------------------------------------------------------------------
@@ -221,7 +222,8 @@ class MegatronCheckpoint(StepTriggers):
         if self._resumed_step is None and self.overwrite:
             self._committer.replace_run()
         elif self._resumed_step is None:
-            refuse_another_runs_steps(trainer, self._root, self._tier)
+            # A Trainer fitted again continues its own run (its steps are this callback's).
+            refuse_another_runs_steps(trainer, self._root, self._tier, self._own_steps)
         self._committer.catch_up(trainer)  # durability="local": steps not uploaded yet
         if self._resumed_step is not None and self.restore_dataloader:
             _loops.refuse_unresumable_loader(trainer, str(self._root), self._resumed_step)
@@ -390,6 +392,7 @@ class MegatronCheckpoint(StepTriggers):
             trainer.loggers, metadata["global_step"], metrics.save_metrics(metadata)
         )
         if "blocking_time_s" in metadata:  # a save (not an export added to a committed step)
+            self._own_steps.add(int(metadata["global_step"]))
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,14 +51,24 @@ def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock |
     return lock
 
 
-def refuse_another_runs_steps(trainer: pl.Trainer, root: Path, tier: StoreTier | None) -> None:
+def refuse_another_runs_steps(
+    trainer: pl.Trainer,
+    root: Path,
+    tier: StoreTier | None,
+    own: Collection[int] = (),
+) -> None:
     """A ``fit`` that starts from scratch (no checkpoint was loaded) in a directory (or a store)
-    holding complete steps. Collective: rank 0 looks, every rank raises the same error."""
+    holding complete steps. Collective: rank 0 looks, every rank raises the same error.
+
+    ``own``: the steps this callback committed in earlier fits (rank 0). A Trainer fitted again
+    (its ``global_step`` past 0) whose newest step there is one of them continues its run, as
+    Lightning's does."""
     problem = None
     if trainer.is_global_zero:
         steps = layout.complete_steps(root) if tier is None else tier.complete_steps()
         root = root if tier is None else tier.store.url  # type: ignore[assignment]
-        problem = _another_run(root, steps[-1].path.name) if steps else None
+        continues = bool(steps) and trainer.global_step > 0 and steps[-1].step in own
+        problem = _another_run(root, steps[-1].path.name) if steps and not continues else None
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
         raise ConfigurationError(problem)

@@ -71,3 +71,43 @@ def test_overwrite_replaces_the_other_runs_steps(tmp_path: Path) -> None:
     assert sorted(now) == ["global_step_2", "global_step_4"]
     assert all(now[name] != old[name] for name in now)
     assert layout.resolve_last(root) == layout.step_dir(root, 4)
+
+
+def _fit_again(rank: int, world_size: int, dirpath: str) -> Any:
+    """One callback: a Trainer fitted to step 4, fitted again to step 6 (it continues its own
+    run), then a new Trainer with the same callback from scratch (another run: refused)."""
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.errors import ConfigurationError
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    callback = MegatronCheckpoint(dirpath, every_n_train_steps=2)
+    first = make_trainer(
+        4, MegatronStrategy(), world_size, callbacks=[callback], enable_checkpointing=True
+    )
+    module = TinyGPTModule()
+    first.fit(module, train_dataloaders=loader(32, 2))
+    first.fit_loop.epoch_loop.max_steps = 6
+    first.fit(module, train_dataloaders=loader(32, 2))
+    continued = first.global_step
+    other = make_trainer(
+        2, MegatronStrategy(), world_size, callbacks=[callback], enable_checkpointing=True
+    )
+    try:
+        other.fit(TinyGPTModule(), train_dataloaders=loader(32, 2))
+    except ConfigurationError as err:
+        return {"continued_to": continued, "error": str(err)}
+    return {"continued_to": continued, "error": None}
+
+
+def test_a_trainer_fitted_again_continues_and_a_new_one_is_still_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    results = run_distributed(_fit_again, 2, str(root), timeout=280)
+    for result in results:  # every rank
+        assert result["continued_to"] == 6
+        error = result["error"]
+        assert error is not None, "a new Trainer from scratch was let into the directory"
+        assert "holds complete steps of another run (newest: global_step_6)" in error
+    assert sorted(_listing(root)) == ["global_step_2", "global_step_4", "global_step_6"]
+    assert not (root / layout.LOCK_FILE).exists()

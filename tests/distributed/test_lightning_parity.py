@@ -684,3 +684,48 @@ def test_matrix_cell_keeps_ranks_and_records_what_lightning_does(runs: _Runs, ca
     # ...and the value Lightning ranked it by.
     for step, score in theirs["best_k"].items():
         assert ours["monitor"][step] == {"name": cell["monitor"], "value": score}, step
+
+
+# --- 15. a second fit of the same Trainer continues its run, side by side with Lightning -------
+
+REFIT = {
+    name: {
+        "callback": callback,
+        "trainer": {"max_epochs": 2, "check_val_every_n_epoch": 1},
+        "max_steps": -1,
+        "refit": {"max_epochs": 4},
+        "samples": 2 * STEPS_PER_EPOCH,
+        "scores": SCORES_12,
+        "val_scores": VAL_SCORES_12,
+    }
+    for name, callback in {
+        "epochs-none-all": {"every_n_epochs": 1, "save_top_k": -1},
+        "epochs-val_loss-top1": {"every_n_epochs": 1, "monitor": "val_loss", "save_top_k": 1},
+        "steps-train_metric-top2-max": {
+            "every_n_train_steps": 2,
+            "monitor": "train_metric",
+            "mode": "max",
+            "save_top_k": 2,
+        },
+        "steps-none-top1-nolast": {"every_n_train_steps": 2, "save_top_k": 1, "save_last": False},
+    }.items()
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFIT))
+def test_a_second_fit_of_the_same_trainer_continues_as_in_lightning(runs: _Runs, case: str) -> None:
+    result = _table(runs, "refit", REFIT, fn=run_pairs)[0][case]
+    ours, lightning = result["ours"], result["lightning"]
+    _no_error(ours)  # not refused as "another run": the steps are this callback's own
+    assert lightning["error"] is None, lightning["error"]
+    save_last = REFIT[case]["callback"].get("save_last", True)
+    final = {MAX_STEPS} if save_last else set()
+    for when in ("first_by_step", "by_step"):  # after each fit
+        mine, theirs = ours[when], lightning[when]
+        for key in ("best_k", "best", "best_score", "kth", "kth_value", "current_score"):
+            assert mine[key] == theirs[key], (when, key, mine[key], theirs[key])
+    assert ours["by_step"]["last"] == (MAX_STEPS if save_last else None)
+    files = lightning["files"].values()
+    assert set(ours["complete"]) == {f["step"] for f in files} | final
+    for saved in files:
+        assert ours["epochs"][saved["step"]]["metadata"] == saved["epoch"], saved

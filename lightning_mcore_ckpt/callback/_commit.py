@@ -11,6 +11,7 @@ save, and hears from the strategy on every rank when the save is durable or has 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -296,7 +297,9 @@ class Committer:
         return list(box[0])
 
     def _drain(self) -> None:
-        # After an error: what finished is logged, nothing raised or deleted.
+        # After an error: what finished is logged, nothing raised or deleted. A commit that
+        # failed goes to on_failed like any other (counted with on_save_error="warn"); what
+        # on_failed raises is dropped: the run's own exception is the one raised.
         self._awaiting.clear()
         while self._commits:
             target, future, _ = self._commits.pop(0)
@@ -304,6 +307,8 @@ class Committer:
                 metadata = future.result()
             except Exception as err:  # noqa: BLE001 - logged: the original exception propagates
                 log.error("%s: %s (while the run was failing)", target, err)
+                with contextlib.suppress(Exception):
+                    self._on_failed(Path(target), CheckpointSaveError(str(err)))
                 continue
             if metadata:
                 try:

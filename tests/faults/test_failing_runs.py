@@ -3,6 +3,10 @@
 - A training error while an async save is being written: the run's own error propagates (on
   the ranks that raised it), the save in flight is stopped and left uncommitted, the lock is
   released, and nothing writes into the step afterwards.
+- A training error while a step whose async write had finished is being committed (rank 0's
+  commit thread): the step still commits (or, when its commit fails, is counted in
+  ``checkpoint/failed`` with ``on_save_error="warn"``); the run's own error propagates on every
+  rank, and the lock is released after the commit.
 - ``ckpt_path="last"`` when rank 0 finds every step damaged: every rank raises the same error
   (before, rank 0 started from scratch while the others loaded a step, and the job hung).
 - A Hugging Face export that fails: the step was committed first and stays; the error is loud,
@@ -85,6 +89,149 @@ def test_an_error_during_an_async_write_propagates_and_leaves_the_step_uncommitt
     assert not results[0]["lock_held"]  # released before the error left fit
     assert [n for n in listing(tmp_path) if n != TRACKER] == ["global_step_2", "global_step_4?"]
     assert layout.read_tracker(tmp_path / "ckpt") == 2
+
+
+# --- a training error while a finished step is being committed -------------------------------
+
+COMMITTING = 4
+"""The step whose commit is under way when training fails (an async save; step 2 before it)."""
+COMMIT_DELAY_S = 5.0
+"""How long rank 0's commit thread waits before committing it: training fails meanwhile."""
+
+
+def _fail_while_committing(
+    rank: int, world_size: int, tmp: str, cases: list[tuple[str, str, bool]]
+) -> dict[str, dict[str, Any]]:
+    """Per ``(case, on_save_error, commit_fails)``, a run in its own directory (see
+    :func:`_fit_failing_while_committing`), in the same processes."""
+    import errno
+
+    from lightning_mcore_ckpt import _atomic
+    from lightning_mcore_ckpt.callback._commit import Committer
+
+    commit, write_text = Committer._commit, _atomic.write_text
+    failing: list[bool] = [False]
+
+    def held_commit(self: Any, target: Path, *args: Any) -> Any:
+        if target.name == f"global_step_{COMMITTING}":
+            time.sleep(COMMIT_DELAY_S)  # before anything of the commit, the lock check included
+        return commit(self, target, *args)
+
+    def marker_write(path: Any, text: str) -> None:
+        marker = Path(path).name == layout.METADATA_FILE
+        if failing[0] and marker and Path(path).parent.name == f"global_step_{COMMITTING}":
+            raise OSError(errno.EACCES, "Permission denied (injected in the commit marker)")
+        write_text(path, text)
+
+    Committer._commit = held_commit  # type: ignore[method-assign]
+    _atomic.write_text = marker_write  # type: ignore[assignment]
+    outcomes = {}
+    for case, on_save_error, commit_fails in cases:
+        failing[0] = commit_fails
+        outcomes[case] = _fit_failing_while_committing(world_size, Path(tmp, case), on_save_error)
+    return outcomes
+
+
+def _fit_failing_while_committing(
+    world_size: int, directory: Path, on_save_error: str
+) -> dict[str, Any]:
+    """TP=2, async saves every 2 steps: training raises on every rank at the first batch end
+    where the save of step 4 is written and finalised everywhere, its commit handed to rank 0's
+    commit thread (held back by the caller)."""
+    import lightning.pytorch as pl
+    from _trainer import loader, make_trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    root = directory / "ckpt"
+    step = layout.step_dir(root, COMMITTING)
+    callback = MegatronCheckpoint(root, every_n_train_steps=2, on_save_error=on_save_error)
+    seen: dict[str, Any] = {}
+
+    class FailOnceHandedToTheCommit(pl.Callback):
+        # Lightning calls checkpoint callbacks last: this runs before a save of the same batch.
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            writer = trainer.strategy._writer  # type: ignore[attr-defined]
+            if writer.pending_path == step:  # saved at the last batch end: its write, done
+                for _id, future, _request in writer._async_queue._calls:
+                    future.result(timeout=120)
+            # Finalised at this batch's start, on every rank at once: its commit is awaited.
+            assert callback._committer is not None
+            if step in callback._committer._awaiting:
+                seen["complete_at_the_error"] = layout.is_complete(step)
+                raise RuntimeError(f"training failed at step {trainer.global_step} (injected)")
+
+    trainer = make_trainer(
+        8,
+        MegatronStrategy(tensor_model_parallel_size=2, ckpt_async_save=True),
+        world_size,
+        callbacks=[callback, FailOnceHandedToTheCommit()],
+        enable_checkpointing=True,
+        logger=CSVLogger(directory, name="csv", version=0),
+        log_every_n_steps=1,
+        default_root_dir=directory,
+    )
+    torch.manual_seed(0)
+    try:
+        trainer.fit(TinyGPTModule(), train_dataloaders=loader(64, 2))
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the subject
+        seen.update(raised=type(err).__name__, message=str(err))
+    seen.update(
+        failed_saves=callback.failed_saves,
+        lock_held=(root / LOCK).exists(),
+        csv=str(directory / "csv" / "version_0" / "metrics.csv"),
+    )
+    return seen
+
+
+def _logged(csv_file: str, metric: str) -> dict[int, float]:
+    import csv
+
+    with open(csv_file) as f:
+        return {int(r["step"]): float(r[metric]) for r in csv.DictReader(f) if r.get(metric)}
+
+
+def test_a_training_error_while_a_written_step_commits_lets_it_commit_or_counts_its_failure(
+    tmp_path: Path,
+) -> None:
+    # The matrix: the commit succeeds or fails (EACCES writing its marker) x on_save_error.
+    cases = [
+        (f"{outcome}-{mode}", mode, outcome == "fails")
+        for outcome in ("commits", "fails")
+        for mode in ("raise", "warn")
+    ]
+    results = run_distributed(_fail_while_committing, 2, str(tmp_path), cases, timeout=500)
+    for case, mode, commit_fails in cases:
+        got = [r[case] for r in results]
+        for rank, seen in enumerate(got):
+            # The run's own error on every rank, at the same step, never a checkpoint error.
+            assert seen["raised"] == "RuntimeError", (case, rank, seen)
+            # (Written at step 4's end, finalised at step 6's start, the write done by then.)
+            assert seen["message"] == f"training failed at step {COMMITTING + 2} (injected)"
+            # The step's write had finished everywhere; its commit had not happened yet.
+            assert seen["complete_at_the_error"] is False, (case, rank, seen)
+        root = tmp_path / case / "ckpt"
+        step = layout.step_dir(root, COMMITTING)
+        assert not got[0]["lock_held"], case  # released once the commit was over
+        assert LOCK not in listing(tmp_path / case)
+        size = _logged(got[0]["csv"], "checkpoint/size_bytes")
+        if not commit_fails:  # it committed, during the error: complete, whole, "last"
+            assert layout.is_complete(step) and layout.verify_step(step) == [], case
+            assert layout.read_tracker(root) == COMMITTING, case
+            assert sorted(size) == [2, COMMITTING], case  # and its figures were logged
+            assert got[0]["failed_saves"] == 0, case
+        else:
+            assert not layout.is_complete(step), case
+            assert layout.read_tracker(root) == 2, case  # the previous step stays "last"
+            assert sorted(size) == [2], case
+            failed = _logged(got[0]["csv"], "checkpoint/failed")
+            if mode == "warn":  # counted (by rank 0, which commits), at the step of the save
+                assert got[0]["failed_saves"] == 1, case
+                assert failed == {COMMITTING: 1.0}, case
+            else:  # "raise": the run's error is the one raised; nothing is counted
+                assert got[0]["failed_saves"] == 0 and failed == {}, case
 
 
 def _resume(rank: int, world_size: int, tmp: str) -> dict[str, Any]:

@@ -171,6 +171,15 @@ def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: 
         if hasattr(md, "size")
     }
     add(Finding("model", f"{len(saved)} tensors in model/"))
+    for prefix, pattern in _hybrid_models(saved):
+        add(
+            Finding(
+                "model",
+                f"{prefix!r} is a Megatron-Core HybridModel of {len(pattern)} layers {pattern!r} "
+                "(saved one by one); it resumes and reshards like a GPTModel, and has no Hugging "
+                "Face export (mbridge maps no hybrid architecture)",
+            )
+        )
     tp = wanted.get("tensor_model_parallel_size", 1)
     for key, (shape, _) in sorted(saved.items()):
         if key.endswith(("word_embeddings.weight", "output_layer.weight")) and shape[0] % tp:
@@ -228,6 +237,19 @@ def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: 
                 )
             )
             break
+
+
+def _hybrid_models(keys: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(key prefix, layer pattern)`` of each hybrid model in a checkpoint (one per input
+    embedding)."""
+    from lightning_mcore_ckpt.hf._names import EMBEDDING, hybrid_layer_pattern
+
+    found = []
+    for prefix in sorted({k[: -len(EMBEDDING)] for k in keys if k.endswith(EMBEDDING)}):
+        pattern = hybrid_layer_pattern(k[len(prefix) :] for k in keys if k.startswith(prefix))
+        if pattern is not None:
+            found.append((prefix, pattern))
+    return found
 
 
 def _optimizer(

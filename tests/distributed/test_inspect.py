@@ -1,7 +1,8 @@
 """``lightning-mcore-ckpt inspect``: whether a step loads into a layout and a model, from
 metadata only.
 
-Axes: the model (as saved, a key renamed), the layout (as saved, a data-parallel change, a
+Axes: the model (as saved, a key renamed, Megatron-Core's HybridModel and a GPTModel in its
+place), the layout (as saved, a data-parallel change, a
 tensor-parallel size the model cannot be split into, a model-parallel change a
 ``dp_reshardable`` optimizer state cannot follow), the dataloader (stateful, plain, saved inside
 an epoch), and the step's tensor files (present, removed: the answers must not change).
@@ -55,6 +56,25 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+def _run_hybrid(rank: int, world_size: int, root: str) -> None:
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyHybridModule
+
+    callback = MegatronCheckpoint(root, every_n_train_steps=2, save_last=False)
+    strategy = MegatronStrategy(tensor_model_parallel_size=2)
+    trainer = make_trainer(2, strategy, world_size, callbacks=[callback], enable_checkpointing=True)
+    trainer.fit(TinyHybridModule(), train_dataloaders=loader(8, 2))
+
+
+@pytest.fixture(scope="module")
+def hybrid_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("inspect-hybrid")
+    run_distributed(_run_hybrid, 2, str(root), timeout=250)
+    return root / "global_step_2"
+
+
 def _config(tmp_path: Path, model: str, tp: int = 1, devices: int = 2) -> Path:
     text = f"""
 trainer:
@@ -65,7 +85,7 @@ trainer:
     init_args:
       tensor_model_parallel_size: {tp}
 model:
-  class_path: _inspect_models.{model}
+  class_path: {model if "." in model else f"_inspect_models.{model}"}
 """
     path = tmp_path / f"{model}-{tp}-{devices}.yaml"
     path.write_text(text)
@@ -106,6 +126,40 @@ def test_a_step_that_loads_says_so(steps: dict[str, Path], tmp_path: Path) -> No
     assert report["target_layout"]["data_parallel_size"] == 2
     text = json.dumps(report)
     assert "dataloader state for ranks 0-1 of 2" in text and "restored exactly" in text
+
+
+HYBRID = "'gpt.' is a Megatron-Core HybridModel of 4 layers '*-*-' (saved one by one)"
+
+
+def test_a_hybrid_step_is_named_and_loads_into_its_model_and_not_into_a_gpt(
+    hybrid_step: Path, steps: dict[str, Path], tmp_path: Path
+) -> None:
+    hybrid = _config(tmp_path, "lightning_mcore_ckpt.tiny.TinyHybridModule", tp=2)
+    code, report = _inspect(hybrid_step, "--config", str(hybrid))
+    assert (code, _blockers(report)) == (0, []), report
+    (named,) = [f["message"] for f in report["findings"] if "HybridModel" in f["message"]]
+    assert named.startswith(HYBRID) and "no Hugging Face export" in named
+    assert "HybridModel" not in json.dumps(_inspect(steps["stateful"])[1])  # a GPT's step
+    # Another tensor-parallel size: its heads decide, as for a GPT; a PP change loads.
+    code, report = _inspect(hybrid_step, "--config", str(hybrid), "--tp", "3")
+    says = "num_attention_heads (4) must be a multiple of tensor_model_parallel_size (3)"
+    assert code == 1 and any(says in b for b in _blockers(report)), report
+    assert _inspect(hybrid_step, "--config", str(hybrid), "--tp", "1", "--pp", "2")[0] == 0
+    # A GPT of the same width: its stacked layers are not in the hybrid step, and the hybrid
+    # model's layers are not in the GPT.
+    gpt = _config(tmp_path, "lightning_mcore_ckpt.tiny.TinyGPTModule", tp=2)
+    code, report = _inspect(hybrid_step, "--config", str(gpt))
+    assert code == 1
+    blockers = _blockers(report)
+    assert any(
+        "'gpt.decoder.layers.self_attention.linear_qkv.weight' [2, 192, 64] is not in" in b
+        for b in blockers
+    ), blockers
+    unloaded = "'gpt.decoder.layers.1.mlp.linear_fc1.weight' is in the checkpoint but not in"
+    assert unloaded in json.dumps(report)
+    # The same answers without a single tensor file: only metadata is read.
+    bare = _without_tensor_files(hybrid_step, tmp_path)
+    assert _inspect(bare, "--config", str(gpt)) == (code, {**report, "step": str(bare)})
 
 
 def test_a_renamed_key_is_named_with_its_old_name(steps: dict[str, Path], tmp_path: Path) -> None:

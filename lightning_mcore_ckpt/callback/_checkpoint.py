@@ -174,6 +174,12 @@ class MegatronCheckpoint(StepTriggers):
         if "best_model_path" in state_dict:  # steps written before 0.2 carry only the above
             super().load_state_dict(state_dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled copy equals the original (as Lightning's ModelCheckpoint does: the same
+        # attributes), also after a fit: what belongs to a fit in progress (the committer,
+        # the directory's lock) is not carried; the next fit's setup creates its own.
+        return {**vars(self), "_committer": None, "_lock": None, "_filters": None}
+
     # --- lifecycle ------------------------------------------------------------------------
 
     @override
@@ -281,6 +287,7 @@ class MegatronCheckpoint(StepTriggers):
             self._committer.close()
             if isinstance(trainer.strategy, MegatronStrategy):
                 trainer.strategy.remove_save_listener(self._committer)
+            self._committer = None  # the next fit's setup makes its own
         self._preemption.uninstall()
         if self._lock is not None:
             self._lock.release()

@@ -45,6 +45,24 @@ class Preemption:
         self._requeue_signal: int | None = None
         self._requeue: Callable[[int, Any], None] | None = None
 
+    # A pickled copy (of the callback that holds it) keeps what every rank agreed on; the
+    # handlers, the signals received and the process group belong to the process that
+    # installed them, and are set up again at the start of the next training.
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"signum": self.signum}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.signum = state["signum"]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Preemption):
+            return NotImplemented
+        return self.__getstate__() == other.__getstate__()
+
+    __hash__ = None  # type: ignore[assignment]
+
     @property
     def installed(self) -> bool:
         return bool(self._previous)

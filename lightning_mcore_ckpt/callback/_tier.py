@@ -40,6 +40,27 @@ class StoreTier:
         self.lock: StoreLock | None = None
         self._sent: dict[str, dict[str, int]] = {}  # per step: the objects this run uploaded
 
+    # A pickled copy (of the callback) is the same store and tier; the lock and the record of
+    # uploads belong to the run in progress, and start afresh at the next fit's setup.
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "store": self.store,
+            "root": self.root,
+            "durability": self.durability,
+            "staging": self.staging,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StoreTier):
+            return NotImplemented
+        return self.__getstate__() == other.__getstate__()
+
+    __hash__ = None  # type: ignore[assignment]
+
     @classmethod
     def of(cls, config: CheckpointConfig) -> StoreTier | None:
         """The tier of a checked config's ``s3://`` ``dirpath``, or ``None``."""

@@ -78,6 +78,38 @@ def by_step(attrs: dict[str, Any], step_of: Any) -> dict[str, Any]:
     }
 
 
+TRAINERS = ("log", "log_dict")
+"""What Lightning's Trainer attaches to every callback at each fit: the module's own logging
+methods (a copy of a callback would carry the module)."""
+
+
+def pickled_differences(obj: Any) -> list[str]:
+    """The attributes of a callback that a pickled and unpickled copy does not have equal
+    (none: ``vars`` of both compare equal, as Lightning tests its ``ModelCheckpoint``), the
+    Trainer's :data:`TRAINERS` aside."""
+    import pickle
+
+    mine = {k: v for k, v in vars(obj).items() if k not in TRAINERS}
+    alone = object.__new__(type(obj))
+    alone.__dict__.update(mine)
+    try:
+        copy = pickle.loads(pickle.dumps(alone))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return [f"<not picklable: {err!r}>"]
+    theirs = vars(copy)
+
+    def same(a: Any, b: Any) -> bool:
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 - e.g. tensors of several elements
+            return False
+
+    differ = [k for k in mine.keys() | theirs.keys() if not same(mine.get(k), theirs.get(k))]
+    if not differ:
+        assert mine == theirs
+    return sorted(differ)
+
+
 def _error(err: Exception) -> dict[str, Any]:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -290,6 +322,7 @@ def fit(
     }
     if ckpt is not None:
         out["attrs"] = callback_attrs(ckpt)
+        out["pickled_differences"] = pickled_differences(ckpt)
         try:
             out["state"] = _snapshot(dict(ckpt.state_dict()))
         except Exception as err:  # noqa: BLE001 - reported to the test
@@ -400,6 +433,7 @@ def reference_fit(
         out["error"] = _error(err)
     out["files"] = files()
     out["attrs"] = callback_attrs(ckpt)
+    out["pickled_differences"] = pickled_differences(ckpt)
     out["by_step"] = bookkeeping()
     return out
 

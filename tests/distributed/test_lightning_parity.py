@@ -643,6 +643,8 @@ def test_matrix_cell_keeps_ranks_and_records_what_lightning_does(runs: _Runs, ca
     ours, lightning = result["ours"], result["lightning"]
     _no_error(ours)
     assert lightning["error"] is None, lightning["error"]
+    # After its fit, a pickled copy of either callback equals it (the same attributes).
+    assert ours["pickled_differences"] == lightning["pickled_differences"] == []
     final = {MAX_STEPS} if cell["save_last"] else set()
     kept = set(ours["complete"])
     assert ours["step_dirs"] == sorted(f"global_step_{s}" for s in kept)  # no incomplete step
@@ -718,6 +720,7 @@ def test_a_second_fit_of_the_same_trainer_continues_as_in_lightning(runs: _Runs,
     ours, lightning = result["ours"], result["lightning"]
     _no_error(ours)  # not refused as "another run": the steps are this callback's own
     assert lightning["error"] is None, lightning["error"]
+    assert ours["pickled_differences"] == lightning["pickled_differences"] == []
     save_last = REFIT[case]["callback"].get("save_last", True)
     final = {MAX_STEPS} if save_last else set()
     for when in ("first_by_step", "by_step"):  # after each fit

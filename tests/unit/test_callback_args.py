@@ -214,3 +214,40 @@ def test_a_resume_from_steps_that_cannot_resume_training_is_refused_before_any_w
     ):
         trainer.fit(TinyGPTModule(), train_dataloaders=[], ckpt_path="last")
     assert not (tmp_path / "ckpt").exists()
+
+
+PICKLED = {
+    "defaults": {},
+    "ranked": {"monitor": "val_loss", "mode": "max", "save_top_k": 3, "every_n_train_steps": 5},
+    "timed": {"train_time_interval": datetime.timedelta(minutes=30), "save_last": False},
+    "store": {"dirpath": "s3://ckpts/run", "every_n_train_steps": 2},
+    "preempted": {"every_n_epochs": 2},
+}
+
+
+@pytest.mark.parametrize("case", sorted(PICKLED))
+def test_a_pickled_callback_equals_the_original_as_lightnings_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    import pickle
+    import signal
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    options = dict(PICKLED[case])
+    if options.get("dirpath", "").startswith("s3://"):
+        pytest.importorskip("boto3")
+    monkeypatch.chdir(tmp_path)
+    options.setdefault("dirpath", tmp_path / "ckpt")
+    callback = MegatronCheckpoint(**options)
+    if case == "preempted":  # what every rank agreed on travels with it
+        callback._preemption.signum = int(signal.SIGTERM)
+    copy = pickle.loads(pickle.dumps(callback))
+    assert vars(copy) == vars(callback)
+    assert copy.state_key == callback.state_key
+    assert copy.preempted == callback.preempted == (case == "preempted")
+    assert not copy._preemption.installed
+    # Lightning's own callback, with the options it shares, compares the same way.
+    shared = {k: v for k, v in options.items() if k not in ("dirpath",)}
+    lightning = ModelCheckpoint(dirpath=tmp_path / "lightning", **shared)
+    assert vars(pickle.loads(pickle.dumps(lightning))) == vars(lightning)

@@ -1,12 +1,14 @@
-"""Tiny models for tests, examples and laptops: a Megatron-Core GPT and a Hugging Face Qwen2.
+"""Tiny models for tests, examples and laptops: a Megatron-Core GPT, a Megatron-Core hybrid model
+(``HybridModel``: attention and MLP layers, Transformer-Engine-free) and a Hugging Face Qwen2.
 
-Both are built locally in seconds; nothing is downloaded.
+All are built locally in seconds; nothing is downloaded.
 
 Example::
 
-    from lightning_mcore_ckpt.tiny import tiny_gpt, tiny_hf_qwen2
+    from lightning_mcore_ckpt.tiny import tiny_gpt, tiny_hf_qwen2, tiny_hybrid
 
     model = tiny_gpt(hidden_dropout=0.1)        # after parallel state is initialised
+    hybrid = tiny_hybrid("*-*-")                # the same, as a HybridModel
     hf_dir = tiny_hf_qwen2("/tmp/qwen2-tiny")   # config + safetensors + tokenizer
 """
 

@@ -12,6 +12,10 @@ family of ``hf_model_path``):
 - :func:`import_checkpoint`: a Hugging Face directory to a step directory that
   ``trainer.fit(ckpt_path=...)`` (or ``MegatronStrategy(init_from=...)``) takes weights from.
 
+The models converted are Megatron-Core GPT models of the families mbridge maps; a
+``HybridModel`` (a step of one, or a LightningModule holding one) is refused before any work, as
+mbridge maps no hybrid architecture.
+
 Megatron-Core checkpoints name tensors the way Transformer Engine layers do
 (``linear_qkv.layer_norm_weight``) with either layer spec, which are the names mbridge maps; the
 local-spec model used on CPU is built here (mbridge's ``get_model`` hard-codes Transformer Engine

@@ -153,7 +153,7 @@ class MegatronCheckpoint(StepTriggers):
         self._lock: DirectoryLock | None = None
         self._filters: list[Any] | None = None
         self._found_last: bool | None = None  # see _find_last_checkpoints
-        self._writing_epoch: int | None = None  # the epoch of the step being written
+        self._writing: tuple[Path, int] | None = None  # the step being written, its epoch
         self._own_steps: set[int] = set()  # committed by this callback (rank 0), every fit
         self._init_triggers()
 
@@ -162,11 +162,31 @@ class MegatronCheckpoint(StepTriggers):
     @property
     @override
     def state_key(self) -> str:
+        # Lightning's key (monitor, mode, cadence: a run resumed with other ones starts its
+        # bookkeeping afresh), and the dirpath (two callbacks alike but for it, in one Trainer).
+        return self._generate_state_key(
+            dirpath=self._key,
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self._every_n_train_steps,
+            every_n_epochs=self._every_n_epochs,
+            train_time_interval=self._train_time_interval,
+        )
+
+    @property
+    def _legacy_key(self) -> str:
+        """The key of this callback's state in steps saved before :attr:`state_key` named the
+        configuration: the dirpath alone."""
         return self._generate_state_key(dirpath=self._key)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "last_global_step_saved": self._last_global_step_saved}
+        state = {**super().state_dict(), "last_global_step_saved": self._last_global_step_saved}
+        if self._writing is not None and self.save_last:
+            # Lightning's trigger names this step "last" right after its top-k save (here one
+            # step, not a copy): the state it carries says so, as Lightning's last.ckpt does.
+            state["last_model_path"] = str(self._writing[0])
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -305,15 +325,19 @@ class MegatronCheckpoint(StepTriggers):
         fit = checkpoint.get("loops", {}).get("fit_loop")
         if fit is not None:
             _loops.close_epoch(fit)
-        if self._writing_epoch is not None:
+        if self._writing is not None:
             # A step written once Lightning has closed its epoch records the epoch of its
             # trigger (Lightning's checkpoint would have been written there), not the next.
-            checkpoint["epoch"] = self._writing_epoch
+            checkpoint["epoch"] = self._writing[1]
 
     @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        callbacks = checkpoint.get("callbacks")
+        if isinstance(callbacks, dict):  # before Lightning's load_state_dict looks it up
+            key, legacy = self.state_key, self._legacy_key
+            _bookkeeping.adopt_legacy_state(callbacks, key, legacy, self.monitor, self.mode)
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
         current_dp = strategy.parallel_layout()["data_parallel_size"]
@@ -373,7 +397,7 @@ class MegatronCheckpoint(StepTriggers):
     ) -> None:
         assert self._committer is not None
         monitor = monitor_entry(self.monitor, candidates.get(self.monitor or ""))
-        self._writing_epoch = epoch  # see on_save_checkpoint
+        self._writing = (target, epoch)  # see state_dict, on_save_checkpoint
         try:
             self._committer.write(
                 trainer,
@@ -385,7 +409,7 @@ class MegatronCheckpoint(StepTriggers):
                 preempted=self.preempted,
             )
         finally:
-            self._writing_epoch = None
+            self._writing = None
 
     # --- outcomes -------------------------------------------------------------------------
 

@@ -166,6 +166,19 @@ def _module_class() -> type:
     return ScoredModule
 
 
+def _legacy_keyed_class() -> type:
+    from lightning_mcore_ckpt import MegatronCheckpoint
+
+    class LegacyKeyed(MegatronCheckpoint):  # type: ignore[misc, valid-type]
+        """Saves its state as the previous release did: under a key naming the dirpath only."""
+
+        @property
+        def state_key(self) -> str:
+            return "MegatronCheckpoint" + repr({"dirpath": self._key})
+
+    return LegacyKeyed
+
+
 def _recording_logger_class() -> type:
     from lightning.pytorch.loggers import Logger
 
@@ -232,11 +245,13 @@ def fit(
     chdir: str | None = None,
     home: str | None = None,
     refit: dict[str, Any] | None = None,
+    legacy_key: bool = False,
 ) -> dict[str, Any]:
     """Build a Trainer with one :class:`MegatronCheckpoint` and fit; report what happened.
 
     ``refit``: then raise the same Trainer's ``max_epochs``/``max_steps`` to these values and
-    call ``fit`` on it again (its bookkeeping after the first fit is ``out["first"]``)."""
+    call ``fit`` on it again (its bookkeeping after the first fit is ``out["first"]``).
+    ``legacy_key``: the callback's state is saved under the key the previous release used."""
     import lightning.pytorch as pl
     from _trainer import gathered_weights, loader, make_trainer
 
@@ -252,7 +267,8 @@ def fit(
     ckpt: Any = None
     module: Any = None
     try:
-        ckpt = MegatronCheckpoint(dirpath, **(callback or {}))
+        kind = _legacy_keyed_class() if legacy_key else MegatronCheckpoint
+        ckpt = kind(dirpath, **(callback or {}))
 
         class Probe(pl.Callback):
             def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -732,3 +732,113 @@ def test_a_second_fit_of_the_same_trainer_continues_as_in_lightning(runs: _Runs,
     assert set(ours["complete"]) == {f["step"] for f in files} | final
     for saved in files:
         assert ours["epochs"][saved["step"]]["metadata"] == saved["epoch"], saved
+
+
+# --- 16. a resume with another configuration: whose bookkeeping, side by side with Lightning ---
+#
+# Lightning keys a ModelCheckpoint's state by monitor, mode and cadence: a run resumed with
+# another one starts its bookkeeping afresh (the old metric's scores never rank the new steps);
+# with the same one, the bookkeeping goes on.
+
+RESUMED_FROM = {
+    "monitor": "train_metric",
+    "mode": "max",
+    "save_top_k": 2,
+    "every_n_train_steps": 2,
+    "save_last": True,  # Lightning's "last" is last.ckpt
+}
+RESUMED_WITH = {
+    "same": RESUMED_FROM,
+    "monitor": {**RESUMED_FROM, "monitor": "step"},
+    "mode": {**RESUMED_FROM, "mode": "min"},
+    "cadence": {**RESUMED_FROM, "every_n_train_steps": 3},
+}
+
+
+@pytest.mark.parametrize("changed", sorted(RESUMED_WITH))
+def test_a_resume_with_another_monitor_mode_or_cadence_starts_afresh_as_in_lightning(
+    runs: _Runs, changed: str
+) -> None:
+    common = {"samples": 2 * STEPS_PER_EPOCH, "scores": SCORES_12}
+    specs = {}
+    for name in RESUMED_WITH:
+        dirpath = str(runs.dir("resumed_with", name))
+        specs[f"{name}-first"] = {
+            "dirpath": dirpath,
+            "callback": RESUMED_FROM,
+            "max_steps": 6,
+            **common,
+        }
+        specs[f"{name}-second"] = {
+            "dirpath": dirpath,
+            "callback": RESUMED_WITH[name],
+            "max_steps": MAX_STEPS,
+            "ckpt_path": "last",
+            "probe": True,
+            **common,
+        }
+    results = runs("resumed_with", specs, fn=run_pairs)[0]
+    first, second = results[f"{changed}-first"], results[f"{changed}-second"]
+    for run in (first, second):
+        _no_error(run["ours"])
+        assert run["lightning"]["error"] is None, run["lightning"]["error"]
+    ours, lightning = second["ours"], second["lightning"]
+    keys = ("best_k", "best", "best_score", "kth", "kth_value", "current_score", "last")
+    for key in keys:  # what the resumed run starts with
+        assert ours["start_by_step"][key] == lightning["start_by_step"][key], key
+    if changed == "same":  # the control: the bookkeeping goes on
+        assert ours["start_by_step"]["best_k"] == first["ours"]["by_step"]["best_k"] != {}
+    else:
+        assert ours["start_by_step"]["best_k"] == {}
+    for key in keys[:-1]:  # what it ends with: only its own steps, ranked by its own metric
+        assert ours["by_step"][key] == lightning["by_step"][key], key
+    monitor = RESUMED_WITH[changed]["monitor"]
+    for step, score in ours["by_step"]["best_k"].items():
+        assert ours["monitor"][step] == {"name": monitor, "value": score}, step
+    new = {f["step"] for f in lightning["files"].values() if f["step"] > 6}
+    assert {s for s in ours["complete"] if s > 6} == new | {MAX_STEPS}
+
+
+# --- 17. steps saved by the previous release: their state, under the dirpath-only key --------
+
+
+@pytest.mark.parametrize("changed", sorted(RESUMED_WITH))
+def test_a_step_of_the_previous_release_resumes_its_bookkeeping_only_for_the_same_ranking(
+    runs: _Runs, changed: str
+) -> None:
+    common = {"samples": 2 * STEPS_PER_EPOCH, "scores": SCORES_12}
+    specs = {}
+    for name in RESUMED_WITH:
+        dirpath = str(runs.dir("legacy", name))
+        specs[f"{name}-first"] = {
+            "dirpath": dirpath,
+            "callback": RESUMED_FROM,
+            "max_steps": 6,
+            "legacy_key": True,
+            **common,
+        }
+        specs[f"{name}-second"] = {
+            "dirpath": dirpath,
+            "callback": RESUMED_WITH[name],
+            "max_steps": MAX_STEPS,
+            "ckpt_path": "last",
+            "probe": True,
+            **common,
+        }
+    results = runs("legacy", specs)[0]
+    first, second = results[f"{changed}-first"], results[f"{changed}-second"]
+    _no_error(first)
+    _no_error(second)
+    saved, start = first["attrs"], second["start"]
+    assert saved["best_k_models"] != {}
+    if RESUMED_WITH[changed]["monitor"] == "train_metric" and changed != "mode":
+        # The same monitor and mode (the old key names no cadence): migrated, and goes on.
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            assert start[key] == saved[key], key
+        assert start["best_k_models"].keys() == saved["best_k_models"].keys()
+    else:  # another monitor or mode: the old metric's scores rank nothing
+        assert (start["best_k_models"], start["best_model_path"]) == ({}, "")
+        assert start["best_model_score"] is None and start["last_model_path"] == ""
+    monitor = RESUMED_WITH[changed]["monitor"]
+    for path in second["attrs"]["best_k_models"]:
+        assert second["monitor"][layout.step_number(path)]["name"] == monitor, path

@@ -18,7 +18,7 @@ import _jobs
 import pytest
 from _pairwise import excluded_pairs_met, uncovered
 
-from lightning_mcore_ckpt import _safe_dcp, check_resume
+from lightning_mcore_ckpt import _safe_dcp, check_resume, layout
 from lightning_mcore_ckpt.hf._names import hybrid_layer_pattern
 from lightning_mcore_ckpt.testing import DistributedFailure
 
@@ -134,8 +134,9 @@ def test_resume_is_exact(tmp_path: Path, values: tuple[Any, ...]) -> None:
     (result,) = report.results
     assert result.resumed_from and result.resumed_from > 0
     # The model the steps hold: a hybrid model's layers are saved one by one, by kind.
-    (step, *_) = (tmp_path / "work").glob("*/checkpoints/global_step_*/model")
-    keys = _safe_dcp.read_dcp_metadata(step).state_dict_metadata
+    steps = (tmp_path / "work").glob("*/checkpoints/global_step_*")
+    (step, *_) = [s for s in steps if layout.is_complete(s)]
+    keys = _safe_dcp.read_dcp_metadata(step / layout.MODEL_DIR).state_dict_metadata
     pattern = hybrid_layer_pattern(k.removeprefix("gpt.") for k in keys)
     assert pattern == ("*-*-" if cell["model"] == "hybrid" else None), sorted(keys)
 

@@ -24,12 +24,27 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from lightning_mcore_ckpt.notices import hide_known_notices
+
+# What Megatron-Core, torch and torchdata say about themselves (deprecations, fallbacks where
+# Apex or Transformer Engine is not installed) stays out of the story; every other warning and
+# every error is shown. First thing, before the imports that print them, in each process of the
+# demo (Lightning starts the second one by running this script again); not where job() is
+# imported from.
+if __name__ == "__main__":
+    hide_known_notices(cpu=True)
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy, ResumeJob
+from lightning_mcore_ckpt import (
+    HFExport,
+    MegatronCheckpoint,
+    MegatronStrategy,
+    ResumeJob,
+)
 from lightning_mcore_ckpt.tiny import HFGPTModule, TokenDataset, tiny_hf_model
 
 

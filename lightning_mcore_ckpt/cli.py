@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -12,6 +11,7 @@ from typing import Any
 
 from lightning_mcore_ckpt import cli_checks as _checks
 from lightning_mcore_ckpt._version import __version__
+from lightning_mcore_ckpt.notices import known_notices_hidden
 
 __all__ = ["build_parser", "main"]
 
@@ -132,49 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _checks.add_parsers(commands)
 
-    check = commands.add_parser(
-        "check-resume",
-        help="prove that a LightningCLI job resumes exactly: run it whole and interrupted, compare",
-        description=(
-            "Run the job of a LightningCLI config (model and data named by class_path) "
-            "uninterrupted to --max-steps (twice: a job that differs from itself is reported as "
-            "not deterministic), then interrupted at --stop-at and resumed with "
-            'fit(ckpt_path="last"), and compare per-step losses, the samples every rank '
-            "received, every RNG stream, weights, optimizer and LR scheduler state and the loop "
-            "counters bit for bit. Prints the first divergence. Exit code 0 when everything is "
-            "identical, 1 on a divergence, 2 on bad usage, 3 when a run of the job fails to run "
-            "(the report names the run, the rank and the exception: an error of the job, not "
-            "a divergence)."
-        ),
-    )
-    check.add_argument("--config", required=True, help="a LightningCLI YAML config")
-    check.add_argument(
-        "--stop-at", type=int, required=True, metavar="K", help="the step to interrupt at"
-    )
-    check.add_argument(
-        "--max-steps",
-        type=int,
-        metavar="N",
-        help="the step to compare up to (default: the config's trainer.max_steps)",
-    )
-    check.add_argument(
-        "--how",
-        choices=["clean", "sigterm", "kill", "max_steps"],
-        action="append",
-        help="how to interrupt: a clean stop (trainer.should_stop) after the step, SIGTERM, a "
-        "hard kill after the last committed step, or max_steps (a finished run, extended); "
-        "repeat to try several (default: clean, sigterm and kill)",
-    )
-    check.add_argument(
-        "--workdir", help="keep every run's checkpoints and records here (a new directory)"
-    )
-    check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-EXIT_JOB_FAILED = 3
-"""``check-resume``'s exit code when a run of the job fails to run (1 is a divergence)."""
 
 
 def _dtype(name: str | None) -> Any:
@@ -333,48 +294,6 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _check_resume(args: argparse.Namespace) -> int:
-    import json
-
-    try:
-        import jsonargparse  # noqa: F401
-    except ImportError:
-        return _fail(
-            "check-resume reads a LightningCLI config and needs the cli extra: "
-            "pip install 'lightning-mcore-ckpt[cli]'"
-        )
-    from lightning_mcore_ckpt.resume_check import JobFailed, check_resume
-    from lightning_mcore_ckpt.resume_check._run import HOWS
-
-    # With --json, stdout carries the report only: what the runs print (progress, model
-    # summaries) goes to stderr, also from the rank processes started meanwhile.
-    sys.stdout.flush()
-    stdout = os.dup(1)
-    if args.json:
-        os.dup2(2, 1)
-    failed = False
-    try:
-        report = check_resume(
-            args.config,
-            stop_at=args.stop_at,
-            max_steps=args.max_steps,
-            how=tuple(args.how) if args.how else HOWS,
-            workdir=args.workdir,
-        )
-    except JobFailed as err:  # the job's own error: its verdict, not a divergence
-        report, failed = err.report, True
-    except (FileNotFoundError, ValueError) as err:
-        return _fail(err)
-    finally:
-        sys.stdout.flush()
-        os.dup2(stdout, 1)
-        os.close(stdout)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
-    if failed:
-        return EXIT_JOB_FAILED
-    return 0 if report.exact else 1
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
@@ -382,6 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    # What the libraries underneath say about themselves stays out of the way while the
+    # command runs (the filters are restored after: main also runs inside other programs).
+    with known_notices_hidden():
+        return _run(args, parser)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mcore_ckpt import replica
 
     try:  # a step or a dirpath in an object store: read through a local view of it
@@ -398,11 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _import(args)
     if args.command == "verify":
         return _verify(args)
-    if args.command in ("inspect", "fsck", "diff"):
+    if args.command in ("inspect", "fsck", "diff", "check-resume"):
         return _checks.run(args)
-    if args.command == "check-resume":
-        return _check_resume(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
+    return 2  # pragma: no cover
 
 
 if __name__ == "__main__":

@@ -276,9 +276,7 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
                 "optimizer: pass optimizer='megatron' or 'distributed'"
             )
         self.save_hyperparameters()
-        # Read from these attributes, never from self.hparams: Lightning fills hparams from the
-        # signature of the class built (a subclass that forwards only some of these, or saves
-        # only its own, would leave them out).
+        # Read from here, not hparams (a subclass's signature, as LightningCLI fills them).
         self.lr = lr
         self.dropout = dropout
         self.num_layers = num_layers

@@ -150,7 +150,8 @@ class Committer:
             export=export,
         )
         options = SaveOptions(contents=contents, synchronous=synchronous, started_at=started)
-        trainer.save_checkpoint(target, storage_options=options)
+        # Lightning's whole state (its default, passed: left unset, Lightning logs it each save).
+        trainer.save_checkpoint(target, weights_only=False, storage_options=options)
 
     def _decide(self, target: Path) -> str | None:
         """Rank 0, before ``target`` is written: ``None`` to write it, ``"exists"`` to skip it

@@ -10,11 +10,11 @@ same for a LightningCLI config.
 """
 
 from lightning_mcore_ckpt.resume_check._compare import Divergence
+from lightning_mcore_ckpt.resume_check._failure import JobFailure
 from lightning_mcore_ckpt.resume_check._probe import ResumeProbe
 from lightning_mcore_ckpt.resume_check._run import (
     InterruptionResult,
     JobFailed,
-    JobFailure,
     ResumeJob,
     ResumeReport,
     check_resume,

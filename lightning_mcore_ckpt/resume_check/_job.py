@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,13 +108,18 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     data["trainer"] = trainer
     config = run_dir / "config.yaml"
     config.write_text(yaml.safe_dump(data))
-    cli = LightningCLI(
-        args=["--config", str(config)],
-        run=False,
-        save_config_callback=None,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-    )
+    # The config is the job's whole command line (not the check's own arguments in sys.argv).
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        cli = LightningCLI(
+            args=["--config", str(config)],
+            run=False,
+            save_config_callback=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+        )
+    finally:
+        sys.argv = argv
     return ResumeJob(cli.trainer, cli.model, datamodule=cli.datamodule)
 
 

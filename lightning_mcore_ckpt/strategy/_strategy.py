@@ -16,7 +16,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _safe_load, layout, retention
+from lightning_mcore_ckpt import _safe_load, layout
 from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine import (
     CheckpointReader,
@@ -29,6 +29,7 @@ from lightning_mcore_ckpt.engine import (
     module_sharded_state_dict,
 )
 from lightning_mcore_ckpt.layout import EXTRA_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.strategy import _model_checkpoint as model_checkpoint
 from lightning_mcore_ckpt.strategy._config import StrategyConfig
 from lightning_mcore_ckpt.strategy._data import elastic_dataloader
 from lightning_mcore_ckpt.strategy._training import MegatronTrainingBase
@@ -138,7 +139,7 @@ class MegatronStrategy(MegatronTrainingBase):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
-        self._check_checkpoint_callbacks(trainer)
+        model_checkpoint.check_callbacks(trainer, dedup=self.config.ckpt_dedup)
         self.accelerator.setup(trainer)
         self._check_model_configs()
         self._convert_precision()
@@ -151,19 +152,6 @@ class MegatronStrategy(MegatronTrainingBase):
         # Lightning clips by the norm of this rank's gradients; with model parallelism that norm
         # must be the model's (see clip_grad_by_norm).
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign,assignment]
-
-    def _check_checkpoint_callbacks(self, trainer: pl.Trainer) -> None:
-        """Refuse, before any work, a Lightning ``ModelCheckpoint`` the strategy cannot serve."""
-        if not self.config.ckpt_dedup:
-            return
-        for callback in _lightning_checkpoints(trainer):
-            raise ValueError(
-                f"MegatronStrategy(ckpt_dedup=True) with Lightning's {type(callback).__name__}"
-                f"(dirpath={callback.dirpath!r}): tensors written once go to the run's shared/ "
-                "store, which only MegatronCheckpoint's global_step_<N> steps reference and clean "
-                "up. Use lightning_mcore_ckpt.MegatronCheckpoint in its place, or "
-                "ckpt_dedup=False"
-            )
 
     def _initialize_weights(self, trainer: pl.Trainer) -> None:
         """Load ``init_from`` when this fit does not resume from a checkpoint (collective)."""
@@ -261,12 +249,7 @@ class MegatronStrategy(MegatronTrainingBase):
         """
         if storage_options is None:
             options = SaveOptions()
-            path = Path(filepath)
-            if path in self._lightning_paths():
-                # Lightning's ModelCheckpoint saves "last.ckpt" (save_last=True), or a name with
-                # no epoch or step in it, again at the same path: it replaces what it saved there.
-                self.finalize_pending_save(blocking=True)
-                self._remove(path)
+            model_checkpoint.replace_named(self, Path(filepath))  # Lightning's last.ckpt
         elif isinstance(storage_options, SaveOptions):
             options = storage_options
         else:
@@ -399,52 +382,11 @@ class MegatronStrategy(MegatronTrainingBase):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint directory this package wrote, whatever its name.
-
-        Collective: rank 0 deletes, every rank waits for it. A ``global_step_<N>`` step or a
-        path Lightning's ``ModelCheckpoint`` named (``epoch=0-step=12.ckpt``, ``last.ckpt``: it
-        calls this for the checkpoints its ``save_top_k`` lets go) is deleted commit marker
-        first, so that a crash midway leaves it incomplete, never damaged. Nothing else is ever
-        deleted: a symbolic link is left in place (with a warning), and a path without this
-        package's markers is refused with the same ``ValueError`` on every rank. A missing path
-        is a no-op, as for Lightning's own checkpoints.
-        """
-        path = Path(filepath)
-        if self._writer.pending_path == path:
+        """Delete a directory this package wrote, whatever its name (``epoch=0-step=12.ckpt``
+        too): collective, see :func:`~._model_checkpoint.remove`."""
+        if self._writer.pending_path == Path(filepath):
             self.finalize_pending_save(blocking=True)
-        self._remove(path)
-
-    def _remove(self, path: Path) -> None:
-        """Rank 0 deletes ``path`` (see :meth:`remove_checkpoint`); every rank learns how it
-        went (collective)."""
-        problem: str | None = None
-        if self.global_rank == 0:
-            if path.is_symlink():
-                log.warning(
-                    "%s is a symbolic link: left in place (links are never followed or deleted)",
-                    path,
-                )
-            elif path.exists():
-                try:
-                    retention.remove_step(path, any_name=True)
-                except (ValueError, OSError) as err:
-                    problem = str(err)
-        problem = self.broadcast(problem)
-        if problem is not None:
-            raise ValueError(f"MegatronStrategy.remove_checkpoint({str(path)!r}): {problem}")
-
-    def _lightning_paths(self) -> set[Path]:
-        """The checkpoint paths a Lightning ``ModelCheckpoint`` of this Trainer names now (its
-        best, top-k and last): Lightning sets them before it saves there."""
-        module = self.lightning_module
-        trainer = None if module is None else module._trainer
-        if trainer is None:
-            return set()
-        paths: set[Path] = set()
-        for callback in _lightning_checkpoints(trainer):
-            named = [callback.best_model_path, callback.last_model_path, *callback.best_k_models]
-            paths.update(Path(p) for p in named if p)
-        return paths
+        model_checkpoint.remove(Path(filepath), self.global_rank, self.broadcast)
 
     @override
     def teardown(self) -> None:
@@ -454,21 +396,3 @@ class MegatronStrategy(MegatronTrainingBase):
         # Parallel state stays up so that the model can still be used (and saved) after fit;
         # the next strategy to set up re-initialises it.
         super().teardown()
-
-
-def _lightning_checkpoints(trainer: pl.Trainer) -> list[Any]:
-    """The Trainer's Lightning ``ModelCheckpoint`` callbacks that are not a
-    ``MegatronCheckpoint``: they save through ``trainer.save_checkpoint(path)`` and remove
-    through :meth:`MegatronStrategy.remove_checkpoint`."""
-    # By module, not isinstance: the strategy does not import the callback (the callback
-    # imports the strategy).
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    return [
-        callback
-        for callback in trainer.checkpoint_callbacks
-        if isinstance(callback, ModelCheckpoint)
-        and not any(
-            c.__module__.startswith("lightning_mcore_ckpt.callback") for c in type(callback).__mro__
-        )
-    ]

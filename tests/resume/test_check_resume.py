@@ -217,7 +217,7 @@ def test_a_job_that_fails_to_run_raises_job_failed_from_the_python_api(tmp_path:
             check_determinism=False,
         )
     failure = failed.value.failure
-    assert failure.run == "the resumed run (sigterm)" and failure.ranks == [0]
+    assert failure.run == "the resumed run (sigterm)" and failure.ranks == [0], failure.traceback
     assert failure.exception.startswith('KeyError: "tokenizer_path')
     assert failed.value.report.failure is failure and not failed.value.report.exact
     assert str(failed.value) == str(failed.value.report)

@@ -1,0 +1,127 @@
+"""The known notices of the libraries underneath are hidden where our entry points ask, and
+nowhere else: importing the package changes no filter; everything else is still shown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+from lightning_mcore_ckpt.notices import (
+    KNOWN,
+    hide_known_notices,
+    known_notices_hidden,
+    python_warnings,
+)
+
+
+def _emit_all() -> None:
+    for notice in KNOWN:
+        text = f"{notice.message} (as {notice.source} says it)"
+        if notice.logger:
+            logging.getLogger(notice.source).warning(text)
+        else:
+            warnings.warn(text, notice.category, stacklevel=1)
+
+
+def _emit_others() -> None:
+    warnings.warn("Apex said something else", UserWarning, stacklevel=1)
+    warnings.warn("a deprecation of the user's own", FutureWarning, stacklevel=1)
+    logging.getLogger("megatron.core.models.gpt.gpt_model").error("a real Megatron-Core error")
+    logging.getLogger("torch.utils.cpp_extension").warning("No CUDA compiler: a real problem?")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_inside_the_block_only_the_known_notices_are_hidden() -> None:
+    records = _Records()
+    names = {n.source for n in KNOWN if n.logger}
+    for name in names:  # on each logger itself: torch's loggers may not propagate
+        logging.getLogger(name).addHandler(records)
+    filters = list(warnings.filters)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with known_notices_hidden(cpu=True):
+                _emit_all()
+                _emit_others()
+            logged_inside, records.messages = records.messages, []
+            _emit_all()  # after the block: shown again
+    finally:
+        for name in names:
+            logging.getLogger(name).removeHandler(records)
+    shown = [str(w.message) for w in seen]
+    assert shown[:2] == ["Apex said something else", "a deprecation of the user's own"]
+    assert logged_inside == ["a real Megatron-Core error", "No CUDA compiler: a real problem?"]
+    assert shown[2:] == [f"{n.message} (as {n.source} says it)" for n in KNOWN if not n.logger]
+    assert records.messages == [f"{n.message} (as {n.source} says it)" for n in KNOWN if n.logger]
+    assert warnings.filters == filters
+    for notice in KNOWN:
+        if notice.logger:
+            assert logging.getLogger(notice.source).filters == []
+
+
+def test_advice_for_cuda_kernels_is_hidden_on_cpu_only() -> None:
+    advice = "When using async grad allreduce it is recommended to set the environment variable"
+    for cpu, hidden in ((True, True), (False, False)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with known_notices_hidden(cpu=cpu):
+                warnings.warn(advice, UserWarning, stacklevel=1)
+        assert (seen == []) == hidden, cpu
+
+
+_IMPORTS = (
+    "import warnings, logging; import torch, lightning.pytorch, megatron.core; "
+    "before = list(warnings.filters); "
+    "import lightning_mcore_ckpt, lightning_mcore_ckpt.cli, lightning_mcore_ckpt.notices; "
+    "from lightning_mcore_ckpt import MegatronStrategy, MegatronCheckpoint, check_resume; "
+    "assert warnings.filters == before, 'the import changed the warning filters'; "
+    "loggers = [logging.getLogger(n.source) for n in lightning_mcore_ckpt.notices.KNOWN]; "
+    "assert all(lg.filters == [] for lg in loggers), 'the import added logging filters'; "
+)
+
+
+def test_importing_the_package_changes_no_warning_filter_or_logger() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS + "print('ok')"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+    )
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
+
+
+def test_the_process_wide_filters_and_pythonwarnings_hide_the_same_warnings() -> None:
+    script = (
+        "import warnings, sys; from lightning_mcore_ckpt.notices import KNOWN; "
+        "[warnings.warn(n.message + ' ...', n.category) for n in KNOWN if not n.logger]; "
+        "warnings.warn('a warning of the user', UserWarning)"
+    )
+    for how in ("PYTHONWARNINGS", "hide_known_notices"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+        code = script
+        if how == "PYTHONWARNINGS":
+            env["PYTHONWARNINGS"] = python_warnings(cpu=True)
+        else:
+            code = "from lightning_mcore_ckpt.notices import hide_known_notices as h; " + (
+                "h(cpu=True); " + script
+            )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        assert "a warning of the user" in done.stderr, how
+        for notice in KNOWN:
+            assert notice.message not in done.stderr, (how, notice.message)
+    assert hide_known_notices.__doc__  # the entry points' call, documented

@@ -27,7 +27,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 _ROOT = Path(_HERE).resolve().parent
 _NOT_COUNTED_DIRS = (
-    *("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".import_linter_cache"),
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".import_linter_cache",
     ".hypothesis",
 )
 _SOURCES = (".py", ".md")

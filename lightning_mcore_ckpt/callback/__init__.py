@@ -1,8 +1,9 @@
 """``MegatronCheckpoint``: Lightning's ``ModelCheckpoint`` for Megatron-Core steps.
 
 - ``_config``: its options and their checks; ``_checkpoint``: the callback (Lightning's
-  seams); ``_commit``: the commit of a step, retention, exports; ``_preemption``: signals;
-  ``_loops``: Lightning's loop state at a save and a resume; ``_setup``: checks at start.
+  seams); ``_state``: its state (key, what a step carries, pickling); ``_commit``: the commit
+  of a step, retention, exports; ``_preemption``: signals; ``_loops``: Lightning's loop state
+  at a save and a resume; ``_setup``: checks at start.
 """
 
 from __future__ import annotations

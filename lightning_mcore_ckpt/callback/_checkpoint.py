@@ -34,8 +34,8 @@ from lightning_mcore_ckpt.callback._setup import (
     refuse_another_runs_steps,
     refuse_uploading_loggers,
 )
+from lightning_mcore_ckpt.callback._state import CheckpointState
 from lightning_mcore_ckpt.callback._tier import StoreTier
-from lightning_mcore_ckpt.callback._when import StepTriggers
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _NO_LAST = r".*ckpt_path=\"last\"\) is set, but there is no last"
 
 
-class MegatronCheckpoint(StepTriggers):
+class MegatronCheckpoint(CheckpointState):
     """Save Megatron-Core distributed checkpoints on a cadence, commit them, keep the right ones.
 
     Each save writes ``<dirpath>/global_step_<N>/`` through
@@ -156,49 +156,6 @@ class MegatronCheckpoint(StepTriggers):
         self._writing: tuple[Path, int] | None = None  # the step being written, its epoch
         self._own_steps: set[int] = set()  # committed by this callback (rank 0), every fit
         self._init_triggers()
-
-    # --- identity, state ------------------------------------------------------------------
-
-    @property
-    @override
-    def state_key(self) -> str:
-        # Lightning's key (monitor, mode, cadence: a run resumed with other ones starts its
-        # bookkeeping afresh), and the dirpath (two callbacks alike but for it, in one Trainer).
-        return self._generate_state_key(
-            dirpath=self._key,
-            monitor=self.monitor,
-            mode=self.mode,
-            every_n_train_steps=self._every_n_train_steps,
-            every_n_epochs=self._every_n_epochs,
-            train_time_interval=self._train_time_interval,
-        )
-
-    @property
-    def _legacy_key(self) -> str:
-        """The key of this callback's state in steps saved before :attr:`state_key` named the
-        configuration: the dirpath alone."""
-        return self._generate_state_key(dirpath=self._key)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "last_global_step_saved": self._last_global_step_saved}
-        if self._writing is not None and self.save_last:
-            # Lightning's trigger names this step "last" right after its top-k save (here one
-            # step, not a copy): the state it carries says so, as Lightning's last.ckpt does.
-            state["last_model_path"] = str(self._writing[0])
-        return state
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_global_step_saved = int(state_dict.get("last_global_step_saved", 0))
-        if "best_model_path" in state_dict:  # steps written before 0.2 carry only the above
-            super().load_state_dict(state_dict)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A pickled copy equals the original (as Lightning's ModelCheckpoint does: the same
-        # attributes), also after a fit: what belongs to a fit in progress (the committer,
-        # the directory's lock) is not carried; the next fit's setup creates its own.
-        return {**vars(self), "_committer": None, "_lock": None, "_filters": None}
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -319,25 +276,10 @@ class MegatronCheckpoint(StepTriggers):
     # --- resume ---------------------------------------------------------------------------
 
     @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        fit = checkpoint.get("loops", {}).get("fit_loop")
-        if fit is not None:
-            _loops.close_epoch(fit)
-        if self._writing is not None:
-            # A step written once Lightning has closed its epoch records the epoch of its
-            # trigger (Lightning's checkpoint would have been written there), not the next.
-            checkpoint["epoch"] = self._writing[1]
-
-    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        callbacks = checkpoint.get("callbacks")
-        if isinstance(callbacks, dict):  # before Lightning's load_state_dict looks it up
-            key, legacy = self.state_key, self._legacy_key
-            _bookkeeping.adopt_legacy_state(callbacks, key, legacy, self.monitor, self.mode)
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)  # its state's key
         strategy = trainer.strategy
         assert isinstance(strategy, MegatronStrategy)
         current_dp = strategy.parallel_layout()["data_parallel_size"]

@@ -19,9 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import layout, retention
+from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.callback._export import export_into_committed, make_uploader
-from lightning_mcore_ckpt.callback._intent import Intent, step_metadata
+from lightning_mcore_ckpt.callback._intent import Intent, decide, step_metadata
 from lightning_mcore_ckpt.callback._tier import retain
 from lightning_mcore_ckpt.engine import (
     CheckpointSaveError,
@@ -113,10 +113,10 @@ class Committer:
         preempted: bool = False,
     ) -> None:
         """Write one step through the strategy. Collective: every rank, in the same order.
-        ``epoch``: the epoch it records (the one its batch ran in).
+        ``epoch``: the epoch it records (Lightning's ``current_epoch`` at its trigger).
 
         1) finalise the save in flight and report finished commits (one save at a time);
-        2) rank 0 decides (:meth:`_decide`); every rank learns it;
+        2) rank 0 decides (:func:`~._intent.decide`); every rank learns it;
         3) the strategy writes the step; its outcome comes back to :meth:`saved` or
            :meth:`failed`, on every rank.
 
@@ -128,7 +128,10 @@ class Committer:
         # bookkeeping) waits for this step's commit.
         self.process(wait=True, upcoming=trainer.global_step)
         started = time.perf_counter()
-        decision = self._decide(target) if trainer.is_global_zero else None
+        decision = None
+        if trainer.is_global_zero:
+            decision = decide(target, self.root, self.overwrite, self.tier, self._check_lock)
+            self._replaced.discard(target)  # replaced now, if it was another run's (overwrite)
         decision = strategy.broadcast(decision)
         if decision == "exists":
             log.info("%s is already complete; not saving it again", target)
@@ -152,35 +155,6 @@ class Committer:
         options = SaveOptions(contents=contents, synchronous=synchronous, started_at=started)
         # Lightning's whole state (its default, passed: left unset, Lightning logs it each save).
         trainer.save_checkpoint(target, weights_only=False, storage_options=options)
-
-    def _decide(self, target: Path) -> str | None:
-        """Rank 0, before ``target`` is written: ``None`` to write it, ``"exists"`` to skip it
-        (complete), else why the save fails. A run that lost the directory's lock writes
-        nothing; a foreign directory is never touched; an incomplete one of ours (a crashed
-        save) is removed, and a complete one too with ``overwrite``."""
-        try:
-            self._check_lock()
-        except RuntimeError as err:
-            return f"not saving {target}: {err}"
-        managed = layout.is_managed(target)
-        if self.tier is not None and self.tier.before_save(target) == "exists":
-            return "exists"
-        if layout.is_complete(target) and self.overwrite and managed:
-            log.warning("replacing %s (overwrite=True)", target)
-            retention.remove_step(target)
-            self._replaced.discard(target)
-        elif layout.is_complete(target):
-            return "exists"
-        elif target.exists() and not managed:
-            return (
-                f"{target} exists but was not written by a MegatronCheckpoint run (a link, "
-                f"a save by hand or another program's files); move it out of {self.root} "
-                "(it is never deleted)"
-            )
-        elif target.exists():
-            log.warning("removing incomplete %s before saving it again", target)
-            retention.remove_step(target)
-        return None
 
     # --- the strategy's SaveListener (every rank) ----------------------------------------
 

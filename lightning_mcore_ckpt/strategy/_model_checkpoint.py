@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import retention
+from lightning_mcore_ckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -41,7 +42,7 @@ def check_callbacks(trainer: pl.Trainer, *, dedup: bool) -> None:
     if not dedup:
         return
     for callback in lightning_checkpoints(trainer):
-        raise ValueError(
+        raise ConfigurationError(
             f"MegatronStrategy(ckpt_dedup=True) with Lightning's {type(callback).__name__}"
             f"(dirpath={callback.dirpath!r}): tensors written once go to the run's shared/ "
             "store, which only MegatronCheckpoint's global_step_<N> steps reference and clean "

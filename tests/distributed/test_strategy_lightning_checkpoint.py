@@ -227,6 +227,9 @@ def _dedup(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_dedup_with_lightnings_model_checkpoint_is_refused_at_setup(tmp_path: Path) -> None:
-    with pytest.raises(DistributedFailure, match=r"ckpt_dedup=True\) with Lightning's"):
+    with pytest.raises(
+        DistributedFailure,
+        match=r"ConfigurationError: MegatronStrategy\(ckpt_dedup=True\) with Lightning's ModelCheckpoint",
+    ):
         run_distributed(_dedup, 1, str(tmp_path), timeout=200)
     assert not (tmp_path / "checkpoints").exists()

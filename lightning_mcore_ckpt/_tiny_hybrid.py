@@ -10,7 +10,8 @@ the model builds and trains on a CPU. Its checkpoint keys are those of the Trans
 spec (a layer norm is saved as ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``),
 so a step loads into either.
 
-Re-exported by :mod:`lightning_mcore_ckpt.tiny`.
+Re-exported by :mod:`lightning_mcore_ckpt.tiny`, whose :func:`~lightning_mcore_ckpt.tiny.tiny_hybrid`
+builds the model.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt._tiny_hf import TINY_SEQ_LEN, TINY_VOCAB
 
 if TYPE_CHECKING:
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-__all__ = ["TINY_HYBRID_PATTERN", "hybrid_local_stack_spec", "tiny_hybrid"]
+__all__ = ["TINY_HYBRID_PATTERN", "check_layer_pattern", "hybrid_local_stack_spec"]
 
 TINY_HYBRID_PATTERN = "*-*-"
 """Attention, MLP, attention, MLP: a GPT's two layers, as a hybrid model lays them out."""
@@ -112,45 +111,3 @@ def check_layer_pattern(layer_pattern: str, argument: str = "layer_pattern") -> 
             "(Mamba and the other layer kinds need Transformer Engine and CUDA kernels); "
             "use a pattern of '*' and '-', e.g. '*-*-'"
         )
-
-
-def tiny_hybrid(
-    layer_pattern: str = TINY_HYBRID_PATTERN,
-    config: TransformerConfig | None = None,
-    *,
-    vocab_size: int = TINY_VOCAB,
-    max_sequence_length: int = TINY_SEQ_LEN,
-    **config_overrides: Any,
-) -> Any:
-    """A Megatron-Core ``HybridModel`` (``MambaModel`` on megatron-core 0.16) of the tiny GPT's
-    width, with the layers of ``layer_pattern`` from :func:`hybrid_local_stack_spec`.
-
-    Call after ``parallel_state`` is initialised (in ``LightningModule.configure_model``); the
-    layers are split evenly over the pipeline stages. ``config_overrides`` as for
-    :func:`~lightning_mcore_ckpt.tiny.tiny_gpt_config` (``num_layers`` is the pattern's length).
-
-    Example::
-
-        model = tiny_hybrid("*-*-", hidden_dropout=0.0)
-    """
-    from megatron.core import parallel_state
-
-    from lightning_mcore_ckpt.tiny import tiny_gpt_config
-
-    check_layer_pattern(layer_pattern)
-    cfg = (
-        config
-        if config is not None
-        else tiny_gpt_config(**{**config_overrides, "num_layers": len(layer_pattern)})
-    )
-    return _compat.hybrid_model(
-        cfg,
-        hybrid_local_stack_spec(),
-        layer_pattern,
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        position_embedding_type="rope",
-    )

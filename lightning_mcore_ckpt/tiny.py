@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_mcore_ckpt import _cpu
+from lightning_mcore_ckpt import _compat, _cpu
 from lightning_mcore_ckpt._tiny_hf import TINY_SEQ_LEN, TINY_VOCAB, tiny_hf_model, tiny_hf_qwen2
 from lightning_mcore_ckpt._tiny_hybrid import (
     TINY_HYBRID_PATTERN,
+    check_layer_pattern,
     hybrid_local_stack_spec,
-    tiny_hybrid,
 )
 
 if TYPE_CHECKING:
@@ -108,6 +108,46 @@ def tiny_gpt(
     return GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+    )
+
+
+def tiny_hybrid(
+    layer_pattern: str = TINY_HYBRID_PATTERN,
+    config: TransformerConfig | None = None,
+    *,
+    vocab_size: int = TINY_VOCAB,
+    max_sequence_length: int = TINY_SEQ_LEN,
+    **config_overrides: Any,
+) -> Any:
+    """A Megatron-Core ``HybridModel`` (``MambaModel`` on megatron-core 0.16) of the tiny GPT's
+    width, with the layers of ``layer_pattern`` from :func:`hybrid_local_stack_spec`.
+
+    Call after ``parallel_state`` is initialised (in ``LightningModule.configure_model``); the
+    layers are split evenly over the pipeline stages. ``config_overrides`` as for
+    :func:`~lightning_mcore_ckpt.tiny.tiny_gpt_config` (``num_layers`` is the pattern's length).
+
+    Example::
+
+        model = tiny_hybrid("*-*-", hidden_dropout=0.0)
+    """
+    from megatron.core import parallel_state
+
+    check_layer_pattern(layer_pattern)
+    cfg = (
+        config
+        if config is not None
+        else tiny_gpt_config(**{**config_overrides, "num_layers": len(layer_pattern)})
+    )
+    return _compat.hybrid_model(
+        cfg,
+        hybrid_local_stack_spec(),
+        layer_pattern,
+        parallel_state.get_pipeline_model_parallel_world_size(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -405,8 +445,6 @@ class TinyHybridModule(TinyGPTModule):
         optimizer: str = "adamw",
         megatron_bf16: bool = False,
     ) -> None:
-        from lightning_mcore_ckpt._tiny_hybrid import check_layer_pattern
-
         check_layer_pattern(layer_pattern, "TinyHybridModule: layer_pattern")
         super().__init__(
             lr=lr,

@@ -74,17 +74,6 @@ def test_the_checkpoint_engine_does_not_import_the_lightning_side() -> None:
     assert found == []
 
 
-def test_every_module_has_one_concern_and_at_most_400_lines() -> None:
-    from pathlib import Path
-
-    import lightning_mcore_ckpt
-
-    root = Path(lightning_mcore_ckpt.__file__).parent
-    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
-    assert len(sizes) > 40
-    assert {name: n for name, n in sizes.items() if n > 400} == {}
-
-
 def test_the_import_contracts_hold() -> None:
     # The layers of docs/architecture.md, as pyproject.toml's import-linter contracts state them.
     import shutil

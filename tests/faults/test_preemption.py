@@ -7,8 +7,8 @@ first on PATH, that records how it was called and what the checkpoint directory 
 
 A signal also lands in the middle of a save: the rank's shard writer (a thread of ours, or
 Megatron-Core's writer, a forked process when asynchronous) sends it while it writes the model's
-shards and is held there until the rank caught it (a sync save) or until every rank agreed to
-stop (an async write still in flight when the preemption save begins).
+shards and is held there until the rank caught it (a sync save, a few seconds at most) or until
+every rank agreed to stop (an async write still in flight when the preemption save begins).
 """
 
 from __future__ import annotations
@@ -205,7 +205,13 @@ def test_a_signal_during_a_save_stops_cleanly_after_the_next_step(
     if async_save:
         assert happened == ["sent", "caught", "agreed", "released"], happened
     else:
-        assert happened == ["sent", "caught", "released", "agreed"], happened
+        # Caught during the save; or, when the kernel handed the signal to the writer thread
+        # while the main thread waited for it, once the main thread's wait ended (the writer
+        # went on after a few seconds): either way before the next step ended.
+        assert happened in (
+            ["sent", "caught", "released", "agreed"],
+            ["sent", "not released", "caught", "agreed"],
+        ), happened
     # Every rank finished step 5 (the step after the signal), saved it and ended cleanly.
     _assert_preempted(stopped, signal.SIGTERM, "LightningEnvironment", at=FAULT_STEP + 1)
     assert listing(run) == ["global_step_2", f"global_step_{FAULT_STEP}", "global_step_5", TRACKER]

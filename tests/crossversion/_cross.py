@@ -48,7 +48,12 @@ def main(run_dir: str, ckpt_dir: str, max_steps: str, ckpt_path: str | None = No
     from lightning_mcore_ckpt import _compat
     from lightning_mcore_ckpt.resume_check._run import _launch
 
-    _launch(JOB, 2, Path(run_dir), Path(ckpt_dir), int(max_steps), ckpt_path, None, 1, 400.0)
+    # What stopped the job is returned (check-resume gives it a verdict of its own): raise it.
+    failure = _launch(
+        JOB, 2, Path(run_dir), Path(ckpt_dir), int(max_steps), ckpt_path, None, 1, 400.0
+    )
+    if failure is not None:
+        raise failure
     print(json.dumps(_compat.versions()))
 
 

@@ -32,6 +32,7 @@ _NOT_COUNTED_DIRS = (
     ".mypy_cache",
     ".ruff_cache",
     ".import_linter_cache",
+    ".grimp_cache",
     ".hypothesis",
 )
 _SOURCES = (".py", ".md")

@@ -3,6 +3,11 @@
 The engine behind :func:`lightning_mcore_ckpt.testing.run_distributed` (the public name) and
 :func:`lightning_mcore_ckpt.check_resume`. Each rank is forked from a server process that has
 already imported torch, Megatron-Core and Lightning, so it starts in a fraction of a second.
+
+CPU and CUDA ranks alike: the server never initialises CUDA (it imports the libraries through
+:mod:`lightning_mcore_ckpt._forkserver`, which says how), so a rank forked from it can train on
+a GPU. Should anything initialise CUDA there all the same, a rank that fails to use CUDA names
+what did.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -22,9 +28,11 @@ import torch
 
 __all__ = ["DistributedFailure", "find_free_port", "run_distributed"]
 
-# The ranks are forked from a server process that has already imported these, so a rank starts
-# in a fraction of a second instead of re-importing torch, Megatron-Core and Lightning.
-_PRELOAD = ["torch", "megatron.core", "lightning.pytorch", "lightning_mcore_ckpt"]
+# The ranks are forked from a server process that has already imported torch, Lightning and
+# Megatron-Core (through this module, which never initialises CUDA there), so a rank starts in a
+# fraction of a second instead of re-importing them.
+_PRELOAD = ["lightning_mcore_ckpt._forkserver"]
+_BAD_FORK = "Cannot re-initialize CUDA in forked subprocess"
 
 
 class DistributedFailure(RuntimeError):
@@ -72,7 +80,8 @@ def _rank_main(
     try:
         value = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the parent
-        results.put((rank, False, traceback.format_exc()))
+        trace = traceback.format_exc()
+        results.put((rank, False, trace + _why_no_cuda(trace)))
         return
     try:
         # Plain bytes: torch would otherwise pass tensors as shared-memory handles that die
@@ -84,6 +93,29 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, payload))
+
+
+def _why_no_cuda(trace: str) -> str:
+    """What initialised CUDA in the process this rank was forked from, when the rank failed
+    because of it (else nothing)."""
+    if _BAD_FORK not in trace:
+        return ""
+    server = sys.modules.get(_PRELOAD[0])
+    if server is None:
+        return (
+            "\nThis rank was forked from a forkserver started in this process before "
+            "run_distributed set its preload (another use of multiprocessing's forkserver): that "
+            "server initialised CUDA. Start run_distributed's ranks before any other forkserver."
+        )
+    stacks = getattr(server, "CUDA_INITIALISED_BY", [])
+    if stacks:
+        where = "\n".join(stacks)
+        return f"\nThe forkserver this rank was forked from initialised CUDA here:\n{where}"
+    return (
+        "\nThe forkserver this rank was forked from initialised CUDA after it imported torch, "
+        "Lightning and Megatron-Core without doing so: another module preloaded into it "
+        f"(multiprocessing's set_forkserver_preload; run_distributed preloads {_PRELOAD}) did."
+    )
 
 
 def _kill(procs: list[Any]) -> None:

@@ -17,6 +17,11 @@ _HELPERS = [
 sys.path[:0] = _HELPERS
 os.environ["PYTHONPATH"] = os.pathsep.join([*_HELPERS, os.environ.get("PYTHONPATH", "")])
 os.environ.setdefault("WANDB_MODE", "offline")
+# One intra-op thread per process, as torchrun gives each of several ranks: the suite runs many
+# small processes at once (ranks, writers, CLI runs) on few cores, where torch's default (a
+# thread per core in every process) spends half the CPU time spinning in OpenMP barriers.
+# Inherited by every process a test starts; a test can still set its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # --- a session leaves nothing in the checkout ----------------------------------------------

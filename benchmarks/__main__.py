@@ -2,7 +2,14 @@
 
 Everything is measured in one run, on one machine, side by side: report medians and ratios, not
 single absolute times (these machines are shared and noisy). Writes
-``benchmarks/results/<date>-<host>.json``, a Markdown table next to it, and a PNG chart.
+``<out>/<date>-<host>[-cuda].json`` and a Markdown table next to it after every configuration
+(a run cut short keeps what it measured; the rank measuring a configuration also writes its
+figures so far, method after method, to ``<stem>.progress-<size>-<procs>p.json``), and a PNG
+chart at the end.
+
+``--device cuda`` trains on one GPU per process. The process that starts the ranks never
+initialises CUDA (``lightning_mcore_ckpt._forkserver``); every method is timed on the state
+while it is on the GPU it trained on.
 """
 
 from __future__ import annotations
@@ -15,25 +22,76 @@ import platform
 import shutil
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import _row, chart, hf_table, tables, targets
+
+__all__ = ["_row", "chart", "disk_limit", "hf_table", "main", "run", "tables", "targets"]
+
 HERE = Path(__file__).resolve().parent
 MiB = 2**20
 
+# Repetitions per measurement when --repeats is not given. On a GPU, one: the lead's GPU run
+# (sizes 1G and 4G) must fit a few minutes of device time.
+REPEATS = {"cpu": 3, "cuda": 1}
+
+
+def _read_streams() -> int:
+    """The files our reader reads at once on one rank (``ckpt_read_threads``' default)."""
+    from lightning_mcore_ckpt.engine._shards import default_write_threads
+
+    return int(default_write_threads())
+
+
+def _drop(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def parallel_read(path: Path, streams: int) -> float:
+    """Seconds to read ``path`` cold with ``streams`` threads, each its contiguous share."""
+    size = path.stat().st_size
+    share = -(-size // streams)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(offset: int) -> None:
+        end = min(size, offset + share)
+        while offset < end:
+            data = os.pread(fd, min(8 * MiB, end - offset), offset)
+            if not data:
+                return
+            offset += len(data)
+
+    try:
+        threads = [threading.Thread(target=read, args=(i * share,)) for i in range(streams)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
 
 def disk_limit(directory: Path, size: int, repeats: int) -> dict[str, Any]:
-    """Sequential writes with fsync, and reads (cold: the kernel drops the file's pages).
+    """Sequential writes with fsync, and reads (cold: the kernel drops the file's pages), on one
+    stream and on as many streams as our reader uses.
 
     The writes come one after the other, as a run's saves do. Cloud disks give a burst and then
     a lower sustained speed (here: 1.6 GB/s for the first GB, 0.3 GB/s after four): the first
     write is reported as the burst, the median of the others as ``write_gbps``, the speed a
-    run's later saves can reach.
+    run's later saves can reach. ``parallel_read_gbps``: the same bytes read cold by
+    ``read_streams`` threads at once, each a contiguous share (the read limit a load is judged
+    against).
     """
     directory.mkdir(parents=True, exist_ok=True)
     block = os.urandom(8 * MiB)
-    writes, reads, cold = [], [], hasattr(os, "posix_fadvise")
+    writes, reads, parallel, cold = [], [], [], hasattr(os, "posix_fadvise")
+    streams = _read_streams()
     paths = [directory / f"disk-limit-{i}.bin" for i in range(repeats + 1)]
     for path in paths:
         start = time.perf_counter()
@@ -47,20 +105,26 @@ def disk_limit(directory: Path, size: int, repeats: int) -> dict[str, Any]:
     for path in paths[1:]:
         with open(path, "rb") as f:
             if cold:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                _drop(path)
             start = time.perf_counter()
             while f.read(8 * MiB):
                 pass
         reads.append(time.perf_counter() - start)
+        if cold:
+            _drop(path)
+        parallel.append(parallel_read(path, streams))
     for path in paths:
         path.unlink()
     later = sorted(writes[1:])
     w, r = later[len(later) // 2], sorted(reads)[len(reads) // 2]
+    p = sorted(parallel)[len(parallel) // 2]
     return {
         "bytes": written,
         "write_gbps": written / w / 1e9,
         "burst_write_gbps": written / writes[0] / 1e9,
         "read_gbps": written / r / 1e9,
+        "parallel_read_gbps": written / p / 1e9,
+        "read_streams": streams,
         "copy_gbps": copy_bandwidth(min(size, 2**30), repeats),
         "hash_gbps": hash_bandwidth(min(size, 2**30), repeats),
         "read_cache": "cold (posix_fadvise DONTNEED)" if cold else "warm",
@@ -100,7 +164,14 @@ def hash_bandwidth(size: int, repeats: int) -> float:
 
 def _mean_limit(limits: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(limits[-1])
-    for key in ("write_gbps", "burst_write_gbps", "read_gbps", "copy_gbps", "hash_gbps"):
+    for key in (
+        "write_gbps",
+        "burst_write_gbps",
+        "read_gbps",
+        "parallel_read_gbps",
+        "copy_gbps",
+        "hash_gbps",
+    ):
         out[key] = sum(limit[key] for limit in limits) / len(limits)
     return out
 
@@ -127,85 +198,142 @@ def _moe_sizes(quick: bool) -> list[tuple[int, int, int]]:
     return [(128, 2, 4)] if quick else [(512, 2, 8), (512, 4, 8)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+class Results:
+    """The run's results so far, written (JSON, then the Markdown tables) after every
+    configuration, so that a run cut short keeps what it measured."""
+
+    def __init__(self, out: Path, stem: str, data: dict[str, Any]) -> None:
+        self.out, self.stem, self.data = out, stem, data
+
+    def progress(self, size: str, world: int) -> Path:
+        """Where the ranks measuring a configuration write their figures so far."""
+        return self.out / f"{self.stem}.progress-{size}-{world}p.json"
+
+    def write(self) -> str:
+        from benchmarks import report
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.data, indent=2, default=str) + "\n"
+        (self.out / f"{self.stem}.json").write_text(text)
+        table, _ = report.tables(self.data)
+        (self.out / f"{self.stem}.md").write_text(table)
+        return table
+
+
+def _attempt(results: Results, what: str, fn: Any) -> Any:
+    """``fn()``; when a configuration fails, its error is recorded and the run goes on."""
+    from lightning_mcore_ckpt.testing import DistributedFailure
+
+    try:
+        return fn()
+    except DistributedFailure as failure:
+        print(f"!! {what} failed:\n{str(failure)[-4000:]}", file=sys.stderr, flush=True)
+        results.data.setdefault("errors", []).append({"what": what, "error": str(failure)[-8000:]})
+        results.write()
+        return None
+
+
+def run(args: argparse.Namespace, results: Results) -> None:
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks import dedup, workloads
+    from benchmarks import dedup, restart, workloads
     from lightning_mcore_ckpt.testing import run_distributed
 
+    data = results.data
     scratch = Path(args.dir).resolve()
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     sizes = ["quick"] if args.quick else args.sizes.split(",") + (["4G"] if args.big else [])
     procs = [1] if args.quick else [int(p) for p in args.procs.split(",")]
     device = args.device
+    repeats = 1 if args.quick else args.repeats
     d2h = None
     if device == "cuda":
-        d2h = run_distributed(workloads.d2h, 1, {}, timeout=600)[0]
-    repeats = 1 if args.quick else args.repeats
-    results: dict[str, Any] = {
-        "machine": {
-            "host": socket.gethostname(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "checkpoint_dir": str(scratch),
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "runs": [],
-    }
+        d2h = _attempt(
+            results, "d2h", lambda: run_distributed(workloads.d2h, 1, {}, timeout=600)[0]
+        )
+        data["d2h"] = d2h
+        results.write()
     for size in sizes:
         hidden, layers = workloads.SIZES[size]
         state_bytes = 3 * 4 * (12 * layers * hidden * hidden)  # weights + 2 Adam moments
-        limit = disk_limit(scratch, max(state_bytes, 64 * MiB), repeats)
-        limits = [limit]
+        limits = [disk_limit(scratch, max(state_bytes, 64 * MiB), repeats)]
         for world in procs:
-            print(f"== state {size}, {world} process(es)", flush=True)
+            print(f"== state {size}, {world} process(es), {device}", flush=True)
             cfg = {
                 "size": size,
-                "repeats": repeats + 1,
+                "repeats": repeats,
+                "saves": repeats + 1,
                 "every": 1 if args.quick else 3,
                 "dir": str(scratch / f"{size}-{world}"),
                 "device": device,
+                "verify": device == "cpu",
+                "progress": str(results.progress(size, world)),
             }
-            figures = run_distributed(workloads.save_load, world, cfg, timeout=3600)[0]
-            overhead = workloads.critical_path(
-                run_distributed(
-                    workloads.step_overhead,
-                    world,
-                    {
-                        "size": size,
-                        "steps": 6 if args.quick else 12,
-                        "dir": cfg["dir"],
-                        "device": device,
-                    },
-                    timeout=3600,
-                )
+            figures = _attempt(
+                results,
+                f"save_load {size}/{world}p",
+                lambda cfg=cfg, world=world: run_distributed(
+                    workloads.save_load, world, cfg, timeout=3600
+                )[0],
+            )
+            overhead_cfg = {
+                "size": size,
+                "steps": 6 if args.quick else 12,
+                "dir": cfg["dir"],
+                "device": device,
+            }
+            ranks = _attempt(
+                results,
+                f"step_overhead {size}/{world}p",
+                lambda c=overhead_cfg, world=world: run_distributed(
+                    workloads.step_overhead, world, c, timeout=3600
+                ),
             )
             # The disk's speed drifts on shared machines: measured before and after each run.
             limits.append(disk_limit(scratch, max(state_bytes, 64 * MiB), repeats))
-            limit = _mean_limit(limits[-2:])
-            run_ = {
-                "size": size,
-                "world": world,
-                "device": device,
-                "limit": limit,
-                "methods": figures,
-                "step_overhead": overhead,
-            }
-            if d2h is not None:
-                run_["d2h"] = d2h
-            results["runs"].append(run_)
             shutil.rmtree(cfg["dir"], ignore_errors=True)
-        # A frozen base saved with and without dedup (one process).
-        root = scratch / f"{size}-dedup"
-        figures = run_distributed(
-            dedup.frozen_saves, 1, {"size": size, "dir": str(root), "device": device}, timeout=3600
-        )[0]
-        results.setdefault("dedup", []).append({"size": size, **figures})
-        shutil.rmtree(root, ignore_errors=True)
-    results["hf_export"] = [] if args.skip_hf_export else hf_export_scaling(scratch, args.quick)
+            if figures is not None:
+                run_: dict[str, Any] = {
+                    "size": size,
+                    "world": world,
+                    "device": device,
+                    "limit": _mean_limit(limits[-2:]),
+                    "methods": figures,
+                }
+                if ranks is not None:
+                    run_["step_overhead"] = workloads.critical_path(ranks)
+                if d2h is not None:
+                    run_["d2h"] = d2h
+                data["runs"].append(run_)
+            results.write()
+            if world == 1 and not args.skip_restart:
+                print(f"== restart, state {size}, {device}", flush=True)
+                root = scratch / f"{size}-restart"
+                row = _attempt(
+                    results,
+                    f"restart {size}",
+                    lambda root=root, size=size: restart.restart_times(root, size, device, repeats),
+                )
+                shutil.rmtree(root, ignore_errors=True)
+                if row is not None:
+                    data.setdefault("restart", []).append(row)
+                results.write()
+        if not args.skip_dedup:
+            # A frozen base saved with and without dedup (one process).
+            root = scratch / f"{size}-dedup"
+            config = {"size": size, "dir": str(root), "device": device}
+            figures = _attempt(
+                results,
+                f"dedup {size}",
+                lambda c=config: run_distributed(dedup.frozen_saves, 1, c, timeout=3600)[0],
+            )
+            if figures is not None:
+                data.setdefault("dedup", []).append({"size": size, **figures})
+            shutil.rmtree(root, ignore_errors=True)
+            results.write()
+    data["hf_export"] = [] if args.skip_hf_export else hf_export_scaling(scratch, args.quick)
+    results.write()
     shutil.rmtree(scratch, ignore_errors=True)
-    return results
 
 
 def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
@@ -237,260 +365,6 @@ def hf_export_scaling(scratch: Path, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _row(name: str, m: dict[str, Any], limit: dict[str, Any], sync_save: float) -> dict[str, Any]:
-    save = m["save_s"]["median"]
-    out = {
-        "method": name,
-        "save_s": save,
-        "save_spread": (m["save_s"]["min"], m["save_s"]["max"]),
-        "blocking_s": m["blocking_s"]["median"],
-        "blocking_of_sync": m["blocking_s"]["median"] / sync_save,
-        "bytes": m["bytes"],
-        "save_gbps": m["bytes"] / save / 1e9,
-        "save_vs_limit": m["bytes"] / save / 1e9 / limit["write_gbps"],
-        "peak_rss_mib": m["peak_rss_extra"] / MiB,
-    }
-    if "load_s" in m:
-        load = m["load_s"]["median"]
-        out.update(
-            load_s=load,
-            load_gbps=m["bytes"] / load / 1e9,
-            load_vs_limit=m["bytes"] / load / 1e9 / limit["read_gbps"],
-        )
-    return out
-
-
-def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
-    from benchmarks import dedup
-
-    lines = [
-        f"Measured {results['date']} on {results['machine']['host']} "
-        f"({results['machine']['cpus']} CPUs, {results['machine']['platform']}).",
-        "",
-    ]
-    verdicts = []
-    for run_ in results["runs"]:
-        limit, methods = run_["limit"], run_["methods"]
-        sync_save = methods["ours-sync"]["save_s"]["median"]
-        lines += [
-            f"### State {run_['size']}, {run_['world']} process(es)",
-            "",
-            f"Disk limit: write {limit['write_gbps']:.3f} GB/s with fsync sustained (burst "
-            f"{limit.get('burst_write_gbps', limit['write_gbps']):.3f} GB/s), read "
-            f"{limit['read_gbps']:.3f} GB/s ({limit['read_cache']}), "
-            f"{limit['bytes'] / MiB:.0f} MiB file; host memory copy "
-            f"{limit['copy_gbps']:.2f} GB/s; XXH3-128 on one thread "
-            f"{limit.get('hash_gbps', 0):.1f} GB/s (means of before and after the run).",
-            "",
-            "| method | save s (median, min-max) | blocking s | blocking / sync save | GB/s | x disk limit | load s | load x read limit | peak extra RSS MiB |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        rows = [
-            _row(name, m, limit, sync_save)
-            for name, m in methods.items()
-            if isinstance(m, dict) and "save_s" in m
-        ]
-        for r in rows:
-            load = f"{r['load_s']:.3f}" if "load_s" in r else "-"
-            load_ratio = f"{r['load_vs_limit']:.2f}" if "load_s" in r else "-"
-            lines.append(
-                f"| {r['method']} | {r['save_s']:.3f} ({r['save_spread'][0]:.3f}-"
-                f"{r['save_spread'][1]:.3f}) | {r['blocking_s']:.3f} | {r['blocking_of_sync']:.2f} "
-                f"| {r['save_gbps']:.3f} | {r['save_vs_limit']:.2f} | {load} | {load_ratio} | "
-                f"{r['peak_rss_mib']:.0f} |"
-            )
-        by = {r["method"]: r for r in rows}
-        side = methods["side by side"]
-        if "verified_load_s" in methods["ours-sync"]:
-            ours_sync = methods["ours-sync"]
-            lines += [
-                "",
-                f"A cold load that re-hashes every file first (ckpt_verify_hashes=True): "
-                f"{ours_sync['verified_load_s']['median']:.3f} s, against "
-                f"{ours_sync['load_s']['median']:.3f} s; the re-hash alone (cold) "
-                f"{ours_sync['rehash_s']['median']:.3f} s.",
-            ]
-        lines += [
-            "",
-            "Sync saves side by side, round after round (median s): "
-            + ", ".join(f"{name} {v['median']:.3f}" for name, v in side.items())
-            + ".",
-        ]
-        write = methods["ours-sync"]["write_s"]["median"]
-        first = methods["ours-sync"]["first_save_s"], methods["ours-async"]["first_blocking_s"]
-        lines += [
-            "",
-            "Our rows are the steady state (every save but the first). The first save: sync "
-            f"{first[0]:.3f} s; async blocking {first[1]:.3f} s.",
-            "",
-            f"Where a sync save's {sync_save:.3f} s go: {write:.3f} s writing shards and extra "
-            f"state (the slowest rank), {sync_save - write:.3f} s planning, staging, finalising "
-            "and committing.",
-        ]
-        if "d2h" in run_:
-            lines += [
-                "",
-                f"Device-to-host copy: {run_['d2h']['pinned_d2h_gbps']:.1f} GB/s into pinned "
-                f"memory, {run_['d2h']['pageable_d2h_gbps']:.1f} GB/s into pageable memory.",
-            ]
-        step = run_["step_overhead"]
-        overhead = step["callback_s"] / step["step_s"]
-        lines += [
-            "",
-            f"Step time {step['step_s'] * 1e3:.1f} ms; the callback's own work on a step without "
-            f"a save: {step['callback_s'] * 1e6:.0f} us ({overhead:.3%} of the step).",
-        ]
-        if step.get("ranks", 1) > 1:
-            lines += [
-                f"That is on the last rank to reach it, which the step waits for; an earlier rank "
-                f"waits {step['waiting_s'] * 1e3:.1f} ms there for it (the ranks' skew, which "
-                "the next collective would absorb without the callback).",
-            ]
-        lines += [""]
-        checks = targets(run_, by, overhead, limit)
-        for name, ok, value in checks:
-            verdicts.append(f"{'MET ' if ok else 'MISSED'}  {name}  ({value})")
-    for row in results.get("dedup", []):
-        dedup_lines, verdict = dedup.report(row["size"], row)
-        lines += dedup_lines
-        verdicts.append(f"{'MET ' if verdict[1] else 'MISSED'}  {verdict[0]}  ({verdict[2]})")
-    lines += hf_table(results["hf_export"])
-    lines += ["", "### Targets", "", "```", *verdicts, "```", ""]
-    return "\n".join(lines), verdicts
-
-
-def targets(
-    run_: dict[str, Any], by: dict[str, Any], overhead: float, limit: dict[str, Any]
-) -> list[tuple[str, bool, str]]:
-    """The issue's targets, each as (name, met, measured)."""
-    tag = f"{run_['size']}/{run_['world']}p"
-    methods = run_["methods"]
-    ours, sync = by["ours-sync"], methods["ours-sync"]
-    sync_s = sync["save_s"]["median"]
-    asy = methods["ours-async"]
-    checks = [
-        (
-            f"{tag}: sync save >= 0.8 x disk write",
-            ours["save_vs_limit"] >= 0.8,
-            f"{ours['save_vs_limit']:.2f}",
-        ),
-    ]
-    # Against the other libraries: the rounds run side by side (same minute, same disk).
-    side = methods["side by side"]
-    if "ours, files not hashed" in side:
-        # The hashing's own time (the state's bytes at one thread's XXH3 speed, as if no
-        # writer thread hashed in parallel) against a sync save; the side-by-side difference
-        # is reported with it (on a noisy disk it is within the saves' spread).
-        at_disk = limit["write_gbps"] / limit["hash_gbps"]
-        in_save = ours["bytes"] / 1e9 / limit["hash_gbps"] / sync_s
-        seen = side["ours"]["median"] / side["ours, files not hashed"]["median"] - 1
-        checks.append(
-            (
-                f"{tag}: hashing every file < 5 % of a save at the disk's speed",
-                at_disk < 0.05,
-                f"{at_disk:.1%} at {limit['write_gbps']:.2f} GB/s, one thread hashing "
-                f"{limit['hash_gbps']:.1f} GB/s; {in_save:.1%} of this run's sync save; side "
-                f"by side {seen:+.1%}",
-            )
-        )
-    for other in ("plain DCP", "raw dist_checkpointing"):
-        ratio = side[other]["median"] / side["ours"]["median"]
-        checks.append(
-            (f"{tag}: sync save >= {other} (side by side)", ratio >= 1.0, f"{ratio:.2f}x")
-        )
-    blocking = asy["blocking_s"]["median"] / sync_s
-    if run_.get("device", "cpu") == "cuda":
-        per_rank = asy["bytes"] / run_["world"] / 1e9
-        bound = 1.2 * per_rank / run_["d2h"]["pinned_d2h_gbps"] / sync_s
-        checks.append(
-            (
-                f"{tag}: async blocking <= 1.2 x D2H time",
-                blocking <= bound,
-                f"{blocking:.1%} of sync; bound {bound:.1%}",
-            )
-        )
-    else:
-        # The snapshot is a copy of the state: its floor is disk write / memory copy bandwidth.
-        floor = limit["write_gbps"] / limit["copy_gbps"]
-        checks.append(
-            (
-                f"{tag}: async blocking <= 10 % of sync save",
-                blocking <= 0.10,
-                f"{blocking:.1%}; a copy of the state alone: {floor:.1%}",
-            )
-        )
-    first_async = asy["first_blocking_s"] / sync_s
-    first_sync = sync["first_save_s"] / sync_s
-    total = asy["save_s"]["median"] / sync_s
-    load = ours.get("load_s", float("inf"))
-    torch_load = by["torch.save (Lightning default)"].get("load_s", 0.0)
-    checks += [
-        (f"{tag}: first async blocking <= sync save", first_async <= 1.0, f"{first_async:.2f}"),
-        (f"{tag}: first sync save <= 1.2 x later ones", first_sync <= 1.2, f"{first_sync:.2f}"),
-        (f"{tag}: async total <= 1.2 x sync save", total <= 1.2, f"{total:.2f}"),
-        (
-            f"{tag}: cold load >= 0.8 x read limit",
-            ours.get("load_vs_limit", 0) >= 0.8,
-            f"{ours.get('load_vs_limit', 0):.2f}",
-        ),
-        (f"{tag}: cold load >= torch.load", load <= torch_load, f"{torch_load / load:.2f}x"),
-        (f"{tag}: callback step overhead < 1 %", overhead < 0.01, f"{overhead:.2%}"),
-    ]
-    return checks
-
-
-def hf_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "### Hugging Face export",
-        "",
-        "| model | hidden | layers | model MiB | export s | MB/s | largest slice MiB | "
-        "a layer's experts MiB | peak extra RSS MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        kind = f"MoE, {r['experts']} experts, EP=2" if r.get("experts") else "dense"
-        stacked = r.get("stacked_experts_bytes", 0)
-        experts = f"{stacked / MiB:.0f}" if stacked else "-"
-        lines.append(
-            f"| {kind} | {r['hidden']} | {r.get('layers', '-')} | {r['bytes'] / MiB:.0f} | "
-            f"{r['seconds']:.3f} | {r['bytes'] / 1e6 / r['seconds']:.0f} | "
-            f"{r['largest_tensor_bytes'] / MiB:.1f} | "
-            f"{experts} | {r['peak_rss_extra'] / MiB:.0f} |"
-        )
-    return lines
-
-
-def chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [n for n, v in runs[0]["methods"].items() if isinstance(v, dict) and "save_s" in v]
-    width = 0.8 / len(runs)
-    for i, run_ in enumerate(runs):
-        m = run_["methods"]
-        xs = [j + i * width for j in range(len(names))]
-        label = f"{run_['size']}, {run_['world']}p"
-        axes[0].bar(xs, [m[n]["save_s"]["median"] for n in names], width, label=label)
-        axes[1].bar(
-            xs, [m[n]["bytes"] / m[n]["save_s"]["median"] / 1e9 for n in names], width, label=label
-        )
-        axes[1].axhline(run_["limit"]["write_gbps"], color=f"C{i}", ls="--", lw=1)
-    for ax, title in zip(
-        axes, ("save time (s, median)", "save throughput (GB/s; dashed: disk)"), strict=True
-    ):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
-        ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def _only_dedup(args: argparse.Namespace) -> int:
     from benchmarks import dedup
     from lightning_mcore_ckpt.testing import run_distributed
@@ -517,12 +391,42 @@ def _only_dedup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cuda_problem(procs: list[int]) -> str | None:
+    """Why ``--device cuda`` cannot run here, or ``None``. Asked in this process, which starts
+    no rank itself (the ranks are forked from a server that never touches CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = (
+            f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        )
+        return (
+            f"no CUDA device is visible to torch on this machine (torch {torch.__version__}, "
+            f"{built}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+            "). Run it on a machine with a GPU, or measure the CPU with --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if max(procs) > count:
+        return (
+            f"--procs {','.join(map(str, procs))} needs {max(procs)} GPUs (one per process); "
+            f"this machine has {count}: pass --procs {count}"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--sizes", default="256M,1G", help="states to measure (256M, 1G, 4G)")
     parser.add_argument("--big", action="store_true", help="also the ~4 GiB state")
-    parser.add_argument("--procs", default="1,2", help="process counts (TP = processes)")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions per measurement")
+    parser.add_argument(
+        "--procs", default=None, help="process counts (TP = processes; default 1,2; cuda: 1)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"repetitions per measurement (default {REPEATS['cpu']}; {REPEATS['cuda']} on cuda)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny state, once: seconds")
     parser.add_argument("--dir", default=str(HERE / ".scratch"), help="checkpoint filesystem")
     parser.add_argument("--out", default=str(HERE / "results"), help="where results go")
@@ -532,10 +436,23 @@ def main(argv: list[str] | None = None) -> int:
         help="only the Hugging Face export scaling (dense, and MoE saved with EP=2)",
     )
     parser.add_argument(
-        "--skip-hf-export", action="store_true", help="without the Hugging Face export scaling"
+        "--skip-hf-export",
+        action="store_true",
+        help="without the Hugging Face export scaling (always skipped on cuda: it runs on CPU)",
     )
     parser.add_argument(
         "--only-dedup", action="store_true", help="only the frozen base with and without dedup"
+    )
+    parser.add_argument(
+        "--skip-dedup",
+        action="store_true",
+        help="without the frozen base with and without dedup (skipped on cuda unless --dedup)",
+    )
+    parser.add_argument("--dedup", action="store_true", help="on cuda: with the dedup rows")
+    parser.add_argument(
+        "--skip-restart",
+        action="store_true",
+        help="without the restart rows (launch -> first resumed step)",
     )
     parser.add_argument(
         "--only-s3",
@@ -552,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
 
     s3.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = REPEATS[args.device]
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: pass 1 or more")
+    if args.procs is None:
+        args.procs = "1" if args.device == "cuda" else "1,2"
     if args.only_s3:
         return s3.run(args)
     if args.only_hf_export:
@@ -573,19 +496,57 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.sizes.split(",") if s not in ("256M", "1G", "4G")]
     if unknown:
         parser.error(f"--sizes {args.sizes}: unknown {unknown}; use 256M, 1G, 4G")
-    if args.device == "cuda" and args.procs == parser.get_default("procs"):
-        args.procs = "1"
-    results = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{results['date'][:10]}-{results['machine']['host']}" + ("-quick" if args.quick else "")
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    table, _ = tables(results)
-    (out / f"{stem}.md").write_text(table)
-    chart(results, out / f"{stem}.png")
+    try:
+        procs = [int(p) for p in args.procs.split(",")]
+    except ValueError:
+        parser.error(f"--procs {args.procs}: pass process counts, e.g. 1,2")
+    if args.device == "cuda":
+        problem = _cuda_problem([1] if args.quick else procs)
+        if problem:
+            print(f"python -m benchmarks --device cuda: {problem}", file=sys.stderr)
+            return 2
+        # CPU-side figures, measured by the CPU run: not worth a GPU's minutes.
+        args.skip_hf_export = True
+        args.skip_dedup = args.skip_dedup or not args.dedup
+    now = datetime.datetime.now(datetime.timezone.utc)
+    host = socket.gethostname()
+    stem = f"{now.date()}-{host}" + ("-cuda" if args.device == "cuda" else "")
+    stem += "-quick" if args.quick else ""
+    data: dict[str, Any] = {
+        "machine": {
+            "host": host,
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "checkpoint_dir": str(Path(args.dir).resolve()),
+            **_versions(),
+        },
+        "date": now.isoformat(timespec="seconds"),
+        "device": args.device,
+        "repeats": args.repeats,
+        "runs": [],
+    }
+    results = Results(Path(args.out), stem, data)
+    run(args, results)
+    table = results.write()
+    from benchmarks import report
+
+    report.chart(data, results.out / f"{stem}.png")
     print(table)
-    print(f"results: {out / stem}.json / .md / .png")
-    return 0
+    print(f"results: {results.out / stem}.json / .md / .png")
+    return 1 if data.get("errors") else 0
+
+
+def _versions() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: dict[str, Any] = {}
+    for name in ("torch", "lightning", "megatron-core", "nvidia-resiliency-ext"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> None:
     done = subprocess.run(
         [
@@ -31,7 +31,7 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=280,
+        timeout=580,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = tmp_path.glob("*-quick.json")
@@ -75,8 +75,11 @@ def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> 
         "torch.load",
         "step overhead",
         "frozen base, later saves",
+        "host memory during an async save",
+        "restart (launch -> first resumed step) <= Lightning default",
     ):
         assert target in table, target
+    assert "### Restart: launch -> first step done" in table
     assert result.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "scratch").exists()  # scratch space is cleaned up
 
@@ -103,12 +106,24 @@ def test_every_target_is_judged_on_cpu_and_on_gpu(device: str) -> None:
     from benchmarks.__main__ import _row, targets
 
     limit = {"write_gbps": 2.0, "read_gbps": 4.0, "copy_gbps": 10.0}
+    # The state: 2 GB on the rank; host memory during the async saves and device memory during
+    # the load within 1.1 x of it.
     methods = {
-        "ours-sync": _figures(1.0, 1.0, 0.6, first_save_s=1.1),
-        "ours-async": _figures(1.1, 0.04, first_blocking_s=0.9),
+        "ours-sync": _figures(
+            1.0,
+            1.0,
+            0.6,
+            first_save_s=1.1,
+            load_device_peak_bytes=2 * 10**9,
+            trained_state_bytes=2 * 10**9,
+        ),
+        "ours-async": _figures(
+            1.1, 0.04, first_blocking_s=0.9, state_bytes=2 * 10**9, peak_rss_extra=2 * 10**9
+        ),
         "raw dist_checkpointing": _figures(2.0, 2.0),
         "torch.save (Lightning default)": _figures(2.0, 2.0, 0.7),
         "torch.distributed.checkpoint": _figures(1.5, 1.5),
+        "torch DCP async": _figures(1.5, 0.05),
         "side by side": {
             "ours": {"median": 1.0},
             "plain DCP": {"median": 1.5},
@@ -123,12 +138,13 @@ def test_every_target_is_judged_on_cpu_and_on_gpu(device: str) -> None:
     }
     assert all(ok for ok, _ in checks.values()), checks
     bound = (
-        "async blocking <= 1.2 x D2H time"
+        "async blocking <= 1.2 x D2H time + fixed costs"
         if device == "cuda"
         else "async blocking <= 10 % of sync save"
     )
     assert bound in checks, checks
-    # 2 GB at 50 GB/s: 40 ms of copy; 1.2 x that is the bound (of a 1 s sync save).
+    # 2 GB at 50 GB/s: 40 ms of copy; 1.2 x that is the bound (of a 1 s sync save; no fixed
+    # costs measured here, so none are allowed).
     methods["ours-async"]["blocking_s"]["median"] = 0.06 if device == "cuda" else 0.2
     late = {n.split(": ", 1)[1]: ok for n, ok, _ in targets(run, by, 0.001, limit)}
     assert late[bound] is False

@@ -83,6 +83,11 @@ def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, A
         "blocking_time_s": record.blocking_time_s,
         "write_time_s": record.write_time_s,
         **({"optimizer_sharding": record.optimizer_sharding} if record.optimizer_sharding else {}),
+        **(
+            {"max_staging_bytes": record.max_staging_bytes}
+            if record.max_staging_bytes is not None
+            else {}
+        ),
         "hashes": dict(record.hashes),
     }
 

@@ -73,6 +73,9 @@ class SaveRecord:
     optimizer_sharding: str | None = None
     """The sharding type a Megatron-Core distributed optimizer's state was saved with (``None``:
     no distributed optimizer in this save)."""
+    max_staging_bytes: int | None = None
+    """The host bytes the save could stage at once (``MegatronStrategy(ckpt_max_staging_bytes)``;
+    ``None``: unbounded, every tensor at once)."""
     hashes: dict[str, str] = field(default_factory=dict)
     """On rank 0 (the rank that commits): the digest of every file the ranks hashed while
     writing it, by path relative to the step (see :mod:`lightning_mcore_ckpt.integrity`);

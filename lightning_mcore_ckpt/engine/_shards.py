@@ -13,7 +13,8 @@ DCP's ``_write_item``, then ``fsync``), with:
   rank are written in parallel);
 - staging into buffers allocated at the first save and reused (pinned host memory for CUDA
   tensors): an async save's snapshot is one copy into memory that is already there; a sync save
-  of CPU tensors copies nothing (training waits for it);
+  of CPU tensors copies nothing (training waits for it); or, with ``max_staging_bytes``, through
+  one bounded buffer while the files are written (``_staging``);
 - no CRC32 of the records its threads write (``torch.load`` never reads it).
 
 :class:`BackgroundWrites` runs async writes on one persistent thread of the training process
@@ -42,9 +43,22 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt import integrity
 from lightning_mcore_ckpt.engine._dedup import Dedup
+from lightning_mcore_ckpt.engine._staging import (
+    BoundedStaging,
+    Slot,
+    StagingBuffers,
+    StagingSession,
+    WriteAborted,
+)
 from lightning_mcore_ckpt.layout import SHARED_DIR
 
-__all__ = ["BackgroundWrites", "ShardWriter", "StagingBuffers", "default_write_threads"]
+__all__ = [
+    "BackgroundWrites",
+    "ShardWriter",
+    "StagingBuffers",
+    "WriteAborted",
+    "default_write_threads",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +69,6 @@ def default_write_threads() -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(4, min(8, (cores or 4) // max(1, local)))
-
-
-class WriteAborted(RuntimeError):
-    """The run stopped while this write was in flight (see :meth:`ShardWriter.abort`)."""
 
 
 # --- torch.save without its CRC32 ----------------------------------------------------------
@@ -81,8 +91,15 @@ def _item_kwargs() -> dict[str, Any]:
     return {}
 
 
-def _write_file(transforms: Sequence[Any], bucket: Any, abort: threading.Event) -> list[Any]:
-    """One shard file: its byte items, then its tensors, then ``fsync``; the write results."""
+def _write_file(
+    transforms: Sequence[Any],
+    bucket: Any,
+    abort: threading.Event,
+    session: StagingSession | None = None,
+) -> list[Any]:
+    """One shard file: its byte items, then its tensors, then ``fsync``; the write results.
+    With a bounded ``session``, each tensor is written once it is staged, and its staging bytes
+    given back at once; a failure here stops the whole session."""
     # Looked up at each call, as Megatron-Core's own writer does (it is the fault tests' hook).
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -96,74 +113,26 @@ def _write_file(transforms: Sequence[Any], bucket: Any, abort: threading.Event) 
             for item, data in (*bytes_data, *tensor_data):
                 if abort.is_set():
                     raise WriteAborted(f"the run stopped while {file_name} was being written")
+                slot = data if isinstance(data, Slot) else None
+                if slot is not None:
+                    data = slot.wait(abort)
                 results.append(
                     filesystem_async._write_item(
                         *transforms, stream, data, item, storage_key, **_item_kwargs()
                     )
                 )
+                if slot is not None:
+                    slot.written()
             stream.flush()
             os.fsync(stream.fileno())
         integrity.record(file_name, stream.digest)
-    except OSError as err:
-        if err.filename is None:  # a failed write() names no file
+    except BaseException as err:
+        if session is not None:
+            session.fail(err)
+        if isinstance(err, OSError) and err.filename is None:  # a failed write() names no file
             err.filename = str(file_name)
         raise
     return results
-
-
-# --- staging ---------------------------------------------------------------------------------
-
-
-class StagingBuffers:
-    """Host buffers the tensors of a save are copied into, allocated once and reused.
-
-    Keyed by the shard's place in the checkpoint (directory and index); a tensor whose shape or
-    dtype changed gets a new buffer, and buffers no save used any more are freed.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, Any], torch.Tensor] = {}
-        self.allocations = 0
-        """Buffers allocated so far (a reused buffer is not counted again)."""
-        self.allocated_bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held now."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def stage(self, name: str, buckets: Sequence[Any], snapshot: bool) -> list[Any]:
-        """``buckets`` with every tensor on the host: copied into this rank's buffers when
-        ``snapshot`` (training goes on while they are written) or when not on the CPU; else the
-        tensors themselves (a sync save of CPU tensors: nothing changes them meanwhile)."""
-        staged, used, cuda = [], set(), False
-        for file_name, storage_key, (bytes_data, tensor_data) in buckets:
-            tensors = []
-            for item, tensor in tensor_data:
-                tensor = tensor.detach()
-                if snapshot or tensor.device.type != "cpu":
-                    key = (name, item.index)
-                    used.add(key)
-                    tensor = self._copy(key, tensor)
-                    cuda = cuda or tensor.is_pinned()
-                tensors.append((item, tensor))
-            staged.append((file_name, storage_key, (bytes_data, tensors)))
-        if cuda:
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
-        for key in [k for k in self._buffers if k[0] == name and k not in used]:
-            del self._buffers[key]
-        return staged
-
-    def _copy(self, key: tuple[str, Any], tensor: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-            self._buffers[key] = buffer
-            self.allocations += 1
-            self.allocated_bytes += buffer.numel() * buffer.element_size()
-        buffer.copy_(tensor, non_blocking=buffer.is_pinned())
-        return buffer
 
 
 # --- the writer ------------------------------------------------------------------------------
@@ -172,9 +141,15 @@ class StagingBuffers:
 class ShardWriter:
     """Writes the shard files of Megatron-Core's save requests with this rank's thread pool."""
 
-    def __init__(self, threads: int, dedup: bool = False) -> None:
+    def __init__(
+        self, threads: int, dedup: bool = False, max_staging_bytes: int | None = None
+    ) -> None:
         self.threads = threads
         self.staging = StagingBuffers()
+        """Unbounded staging: a buffer per tensor, reused by every save (the default)."""
+        self.bounded = None if max_staging_bytes is None else BoundedStaging(max_staging_bytes)
+        """Staging bounded in bytes, when ``max_staging_bytes`` is given (see ``_staging``)."""
+        self._in_flight: list[Future[list[Any]]] = []
         self.dedup = Dedup() if dedup else None
         """Frozen tensors written once and referenced by later saves (see ``_dedup``)."""
         self.pools_started = 0
@@ -197,8 +172,10 @@ class ShardWriter:
     ) -> Any:
         """One request that writes every ``(name, Megatron-Core request)`` and finalises them in
         order; staged here, on the calling thread (``snapshot``: see :meth:`StagingBuffers.stage`).
+        Bounded staging starts the writes here too, and returns once every tensor is copied.
         """
         jobs, finalize_fns = [], []
+        self._settle()
         if self.dedup is not None:
             self.dedup.begin()
         for name, req in requests:
@@ -211,18 +188,51 @@ class ShardWriter:
                     step = Path(buckets[0][0]).parent.parent
                     split = self.dedup.split(name, step, buckets, self._threads())
                     buckets, origin, reused = split
-                staged = self.staging.stage(name, buckets, snapshot)
-                jobs.append(_Job(transforms, staged, results, count, origin, reused))
+                jobs.append(_Job(name, transforms, buckets, results, count, origin, reused))
             finalize_fns.extend(req.finalize_fns)
+        session = None
+        if self.bounded is not None:
+            session = self.bounded.session([job.buckets for job in jobs], snapshot)
+        if session is None:
+            for job in jobs:
+                job.buckets = self.staging.stage(job.name, job.buckets, snapshot)
+        else:
+            self._stage_bounded(jobs, session)
         return request_class(self.write, (jobs, write_timer), finalize_fns)
+
+    def _stage_bounded(self, jobs: Sequence[_Job], session: StagingSession) -> None:
+        """Queue every file's write, in order, then copy the tensors in that order (each file
+        waits for its tensors; see ``_staging``)."""
+        start = time.perf_counter()
+        pool = self._threads()
+        for job, buckets in zip(jobs, session.parts, strict=True):
+            job.buckets = buckets
+            job.started = start
+            job.futures = [
+                pool.submit(_write_file, job.transforms, bucket, self._abort, session)
+                if bucket[2][0] or bucket[2][1]
+                else None
+                for bucket in buckets
+            ]
+            self._in_flight += [f for f in job.futures if f is not None]
+        session.stage(self._abort)
+
+    def _settle(self) -> None:
+        """Wait for the writes a bounded staging started for a save whose request never ran
+        (a save that failed before its write): the ring is reused next."""
+        for future in self._in_flight:
+            future.exception()
+        self._in_flight = []
 
     def write(self, jobs: Sequence[_Job], write_timer: torch.Tensor) -> None:
         """Write every file of ``jobs`` in parallel; each job's results (or its first error) go
         to its results queue, where Megatron-Core's finaliser takes them. Raises nothing."""
-        start = time.perf_counter()
+        start = min([time.perf_counter(), *(j.started for j in jobs if j.started is not None)])
         pool = self._threads()
         futures = [
-            [
+            job.futures
+            if job.futures is not None  # started by bounded staging
+            else [
                 pool.submit(_write_file, job.transforms, bucket, self._abort)
                 if bucket[2][0] or bucket[2][1]
                 else None
@@ -259,6 +269,7 @@ class ShardWriter:
             self.dedup.forget()
 
     def close(self) -> None:
+        self._settle()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -268,6 +279,7 @@ class ShardWriter:
 class _Job:
     """The files of one part (``model``, ``optim``) of a save."""
 
+    name: str
     transforms: Any
     buckets: list[Any]
     """What each file holds (after dedup: the step's own files, then new shared ones)."""
@@ -279,6 +291,10 @@ class _Job:
     """The planned file each of ``buckets`` comes from."""
     reused: dict[int, list[Any]]
     """Write results of tensors not written (in ``shared/`` already), by planned file."""
+    futures: list[Future[list[Any]] | None] | None = None
+    """Each file's write, when bounded staging started them."""
+    started: float | None = None
+    """``time.perf_counter()`` when bounded staging started the writes."""
 
 
 def _collect(

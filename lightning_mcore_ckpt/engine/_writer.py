@@ -89,6 +89,7 @@ class CheckpointWriter:
         write_threads: int | None = None,
         cache_plans: bool = True,
         dedup: bool = False,
+        max_staging_bytes: int | None = None,
     ) -> None:
         self.async_save = async_save
         """Write model and optimizer shards in the background (unless a save asks otherwise)."""
@@ -96,7 +97,12 @@ class CheckpointWriter:
         """Spread the writes of replicated tensors across data-parallel ranks."""
         self.writer = writer
         """``"threads"`` (:class:`~._shards.ShardWriter`) or ``"megatron"`` (Megatron-Core's)."""
-        self.shards = ShardWriter(write_threads or default_write_threads(), dedup)
+        self.shards = ShardWriter(
+            write_threads or default_write_threads(), dedup, max_staging_bytes
+        )
+        self.max_staging_bytes = max_staging_bytes
+        """Host bytes staged at once by a save (``None``: every tensor at once); see
+        :mod:`~lightning_mcore_ckpt.engine._staging`."""
         self.plans = SavePlans(self._strategy, enabled=cache_plans)
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
@@ -195,6 +201,7 @@ class CheckpointWriter:
             "writer": self.writer if own else _compat.async_strategy(),
             "parallel_layout": state.parallel_layout,
             "optimizer_sharding": sharding,
+            "max_staging_bytes": self.max_staging_bytes if own else None,
         }
         timings = {"start": start, "extra_write_s": extra_write_s}
         if async_save:

@@ -97,6 +97,15 @@ class StrategyConfig:
     """Reuse Megatron-Core's save plans (and the assignment of replicated tensors to writers)
     while the state's structure does not change; every save checks it (a fingerprint of keys,
     shapes, dtypes and offsets, one all-reduce) and plans afresh on every rank when it did."""
+    ckpt_max_staging_bytes: int | None = None
+    """The most host memory, in bytes, a save copies the state into at once (``"threads"``
+    writer). ``None`` (the default, the fastest): every tensor is copied at once, into buffers
+    kept for the next saves (as much host memory as the rank's state). A number: the tensors go
+    through one buffer of that size (or of the largest tensor, if larger), kept for the next
+    saves; each shard file is written as its tensors are copied, and their bytes reused. The
+    training thread is then blocked until every tensor is copied, i.e. until all but the last
+    buffer's worth is written. Bounds async saves, and sync saves of GPU tensors; a sync save of
+    CPU tensors copies nothing."""
     process_group_backend: str | None = None
     """``"nccl"`` or ``"gloo"``; default: nccl when the ranks train on GPUs, gloo with
     ``accelerator="cpu"`` (also on a machine with GPUs). ``"nccl"`` with CPU devices is refused."""
@@ -155,6 +164,7 @@ class StrategyConfig:
         for name in ("ckpt_write_threads", "ckpt_read_threads"):
             if getattr(self, name) is not None:
                 _check_size(name, getattr(self, name))
+        self._check_max_staging_bytes()
         if self.process_group_backend not in (None, "nccl", "gloo"):
             raise ConfigurationError(
                 f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "
@@ -167,6 +177,23 @@ class StrategyConfig:
             )
         if self.init_from is not None:
             self._check_init_from(self.init_from)
+
+    def _check_max_staging_bytes(self) -> None:
+        cap = self.ckpt_max_staging_bytes
+        if cap is None:
+            return
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ConfigurationError(
+                f"MegatronStrategy(ckpt_max_staging_bytes={cap!r}): must be a positive int "
+                "(bytes, e.g. 8 * 2**30 for 8 GiB) or None (unbounded, the fastest)"
+            )
+        if self.ckpt_writer != WRITERS[0]:
+            raise ConfigurationError(
+                f"MegatronStrategy(ckpt_max_staging_bytes={cap}, "
+                f"ckpt_writer={self.ckpt_writer!r}): Megatron-Core's writer copies the whole "
+                "state to host memory at once and cannot be bounded; use ckpt_writer='threads' "
+                "(the default) with it, or ckpt_max_staging_bytes=None"
+            )
 
     @staticmethod
     def _check_init_from(init_from: str | os.PathLike[str]) -> None:

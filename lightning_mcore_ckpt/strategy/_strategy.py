@@ -89,6 +89,7 @@ class MegatronStrategy(MegatronTrainingBase):
         ckpt_verify_hashes: bool = False,
         ckpt_dedup: bool = False,
         ckpt_cache_plans: bool = True,
+        ckpt_max_staging_bytes: int | None = None,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
         init_from: str | os.PathLike[str] | None = None,
@@ -104,6 +105,7 @@ class MegatronStrategy(MegatronTrainingBase):
             write_threads=config.ckpt_write_threads,
             cache_plans=config.ckpt_cache_plans,
             dedup=config.ckpt_dedup,
+            max_staging_bytes=config.ckpt_max_staging_bytes,
         )
         self._reader = CheckpointReader(
             parallel_load=config.ckpt_parallel_load,

@@ -198,6 +198,10 @@ def _moe_sizes(quick: bool) -> list[tuple[int, int, int]]:
     return [(128, 2, 4)] if quick else [(512, 2, 8), (512, 4, 8)]
 
 
+def _since(start: float) -> str:
+    return f"{time.perf_counter() - start:.0f} s"
+
+
 class Results:
     """The run's results so far, written (JSON, then the Markdown tables) after every
     configuration, so that a run cut short keeps what it measured."""
@@ -258,6 +262,7 @@ def run(args: argparse.Namespace, results: Results) -> None:
         state_bytes = 3 * 4 * (12 * layers * hidden * hidden)  # weights + 2 Adam moments
         limits = [disk_limit(scratch, max(state_bytes, 64 * MiB), repeats)]
         for world in procs:
+            started = time.perf_counter()
             print(f"== state {size}, {world} process(es), {device}", flush=True)
             cfg = {
                 "size": size,
@@ -304,8 +309,10 @@ def run(args: argparse.Namespace, results: Results) -> None:
                     run_["step_overhead"] = workloads.critical_path(ranks)
                 if d2h is not None:
                     run_["d2h"] = d2h
+                run_["elapsed_s"] = time.perf_counter() - started
                 data["runs"].append(run_)
             results.write()
+            print(f"== state {size}, {world} process(es): {_since(started)}", flush=True)
             if world == 1 and not args.skip_restart:
                 print(f"== restart, state {size}, {device}", flush=True)
                 root = scratch / f"{size}-restart"
@@ -318,6 +325,7 @@ def run(args: argparse.Namespace, results: Results) -> None:
                 if row is not None:
                     data.setdefault("restart", []).append(row)
                 results.write()
+                print(f"== restart, state {size}: {_since(started)} since the state's start")
         if not args.skip_dedup:
             # A frozen base saved with and without dedup (one process).
             root = scratch / f"{size}-dedup"

@@ -49,10 +49,24 @@ def _row(name: str, m: dict[str, Any], limit: dict[str, Any], sync_save: float) 
     return out
 
 
+ORDER = (
+    "ours-sync",
+    "ours-async",
+    "ours-async (megatron writer)",
+    "raw dist_checkpointing",
+    "torch.save (Lightning default)",
+    "torch.distributed.checkpoint",
+    "torch DCP async",
+)
+
+
 def _methods(run_: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The methods with figures, and the ones that failed (their error's last line)."""
+    """The methods with figures (ours first), and the ones that failed (their error's last
+    line)."""
     figures, failures = {}, {}
-    for name, m in run_["methods"].items():
+    names = sorted(run_["methods"], key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+    for name in names:
+        m = run_["methods"][name]
         if not isinstance(m, dict):
             continue
         if "error" in m:

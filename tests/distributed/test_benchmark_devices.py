@@ -62,9 +62,11 @@ def _in_fit_then_after(rank: int, world: int, tmp: str) -> dict[str, bool]:
     return {**seen, "fit returned": workloads.in_fit(trainer)}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+# verify: the integrity figures (a load re-hashing every file, the re-hash, the unhashed round),
+# which the GPU run leaves to the CPU run.
+@pytest.mark.parametrize(("world", "verify"), [(1, True), (2, False)])
 def test_every_method_is_timed_inside_fit_on_the_device_the_run_trained_on(
-    tmp_path: Path, world: int
+    tmp_path: Path, world: int, verify: bool
 ) -> None:
     progress = tmp_path / "progress.json"
     cfg = {
@@ -74,7 +76,7 @@ def test_every_method_is_timed_inside_fit_on_the_device_the_run_trained_on(
         "every": 1,
         "dir": str(tmp_path / "scratch"),
         "device": "cpu",
-        "verify": False,
+        "verify": verify,
         "progress": str(progress),
     }
     figures = run_distributed(_save_load, world, cfg, timeout=800)[0]
@@ -85,12 +87,15 @@ def test_every_method_is_timed_inside_fit_on_the_device_the_run_trained_on(
         assert m["device"] == trained, (name, m["device"])
         assert m["in_fit"] is True, name
         assert m["save_s"]["median"] > 0 and m["bytes"] > 0, name
-    for name in SIDE_BY_SIDE:
+    rounds = SIDE_BY_SIDE if verify else tuple(n for n in SIDE_BY_SIDE if "hashed" not in n)
+    assert set(figures["side by side"]) == set(rounds)
+    for name in rounds:
         side = figures["side by side"][name]
         assert (side["device"], side["in_fit"]) == (trained, True), name
     sync = figures["ours-sync"]
     assert (sync["load_device"], sync["load_in_fit"]) == (trained, True)
     assert sync["load_s"]["median"] > 0 and sync["trained_state_bytes"] > 0
+    assert ("verified_load_s" in sync) is verify and ("rehash_s" in sync) is verify
     for name in ("raw dist_checkpointing", "torch.save (Lightning default)"):
         assert figures[name]["load_device"] == trained, name
     # What the GPU run's targets are judged with: measured on every device.

@@ -157,9 +157,17 @@ class StagingSession:
                 span = self._alloc(_aligned(slot.nbytes), abort)
                 if span is None:
                     return
-                view = self._host[span.offset : span.offset + slot.nbytes]
-                buffer = torch.from_numpy(view).view(slot.dtype).view(slot.shape)
-                copy_to_host(buffer, source, self._pinned and slot.on_cuda)
+                end = span.offset + slot.nbytes
+                # Copied into the ring itself (the pinned allocation: an asynchronous copy);
+                # written through a tensor of its own bytes only (torch.save writes a tensor's
+                # whole storage).
+                copy_to_host(
+                    self._ring[span.offset : end].view(slot.dtype).view(slot.shape),
+                    source,
+                    self._pinned and slot.on_cuda,
+                )
+                buffer = torch.from_numpy(self._host[span.offset : end])
+                buffer = buffer.view(slot.dtype).view(slot.shape)
                 event = None
                 if slot.on_cuda:
                     cuda = True

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,6 +75,21 @@ def report(rank, world_size):
 
 def use_cuda(rank, world_size):
     torch.cuda._lazy_init()
+
+
+def train_on_gpu(rank, world_size):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    total = torch.full((4,), float(rank + 1), device="cuda")
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return {
+        "server_calls": [c for c in CALLS if c["pid"] == SERVER],
+        "total": total.tolist(),
+        "device": torch.cuda.get_device_name(),
+    }
 """
 
 # Preloaded after ours: asks CUDA for its device count, as a careless library would.
@@ -102,6 +118,8 @@ def main(mode):
         except DistributedFailure as failure:
             return {"failure": str(failure)}
         return {"failure": None}
+    if mode == "gpu":
+        return {"ranks": run_distributed(cuda_spy.train_on_gpu, 1, timeout=300)}
     ranks = run_distributed(cuda_spy.report, 2, timeout=300)
     import torch
 
@@ -191,3 +209,13 @@ def test_a_cuda_call_while_the_libraries_are_imported_is_asked_elsewhere_or_reco
     assert "test_a_cuda_call_while_the_libraries_are_imported" in stack
     assert _forkserver.answered_counts() == {"0,1,2": 3}
     assert torch._C._cuda_getDeviceCount is device_count  # restored on the way out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_rank_started_from_a_plain_shell_trains_on_the_gpu(tmp_path: Path) -> None:
+    # The failure the GPU benchmark met: from a plain shell (no Lightning imported in the parent,
+    # so no NVML check set), a rank forked from the server could not initialise CUDA.
+    (rank,) = _launch(tmp_path, "gpu")["ranks"]
+    assert rank["server_calls"] == [], "\n".join(c["stack"] for c in rank["server_calls"])
+    assert rank["total"] == [1.0] * 4 and rank["device"]

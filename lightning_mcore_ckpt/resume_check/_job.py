@@ -98,6 +98,8 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     import yaml
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_mcore_ckpt import _atomic
+
     data = _load_yaml(source["text"], source["config"])
     data.pop("ckpt_path", None)  # the check chooses where each run starts
     trainer = dict(data.get("trainer") or {})
@@ -106,8 +108,10 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     trainer["enable_model_summary"] = False  # nor a model summary per run to the report
     trainer["default_root_dir"] = str(run_dir)
     data["trainer"] = trainer
+    # Every rank writes the same file, another rank may be reading it: replaced whole, never
+    # seen half-written.
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(data))
+    _atomic.write_text(config, yaml.safe_dump(data))
     # The config is the job's whole command line (not the check's own arguments in sys.argv).
     argv, sys.argv = sys.argv, sys.argv[:1]
     try:

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -531,11 +532,23 @@ def main(argv: list[str] | None = None) -> int:
         },
         "date": now.isoformat(timespec="seconds"),
         "device": args.device,
-        "repeats": args.repeats,
+        "repeats": 1 if args.quick else args.repeats,
         "runs": [],
     }
     results = Results(Path(args.out), stem, data)
-    run(args, results)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    # A time limit's SIGTERM: the ranks are killed (run_distributed's cleanup) and what was
+    # measured is written, with the run marked as cut short.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        run(args, results)
+    except (SystemExit, KeyboardInterrupt):
+        data["cut_short"] = True
+        results.write()
+        raise
     table = results.write()
     from benchmarks import report
 

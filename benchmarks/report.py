@@ -110,6 +110,8 @@ def tables(results: dict[str, Any]) -> tuple[str, list[str]]:
         verdicts.append(f"{'MET ' if verdict[1] else 'MISSED'}  {verdict[0]}  ({verdict[2]})")
     if results.get("hf_export"):
         lines += hf_table(results["hf_export"])
+    if results.get("cut_short"):
+        lines += ["", "**The run was cut short**: the states and rows above are what it measured."]
     for error in results.get("errors", []):
         last = error["error"].strip().splitlines()[-1] if error["error"].strip() else "?"
         lines += ["", f"**Failed: {error['what']}**: {last}"]

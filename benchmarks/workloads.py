@@ -147,21 +147,36 @@ def state_tensors(module: Any, optimizers: Iterable[Any]) -> list[torch.Tensor]:
     return tensors
 
 
-def device_of(tensors: Iterable[torch.Tensor]) -> str:
-    """Where the state's tensors are: one device (``"cuda:0"``, ``"cpu"``), or every device
-    they are on, comma-separated. Scalars are left out (AdamW keeps its step count on the CPU
-    wherever the parameters are)."""
-    devices = sorted({str(t.device) for t in tensors if isinstance(t, torch.Tensor) and t.dim()})
-    return ",".join(devices) or "none"
-
-
-def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the tensors' storages, each counted once."""
+def placement(tensors: Iterable[Any]) -> dict[str, int]:
+    """Bytes of the state's tensors on each device (storages counted once)."""
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
-        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    out: dict[str, int] = {}
+    for (device, _), size in seen.items():
+        out[device] = out.get(device, 0) + size
+    return out
+
+
+def device_of(tensors: Iterable[Any]) -> str:
+    """The device that holds the state: the one with 99 % of its bytes or more (AdamW keeps its
+    step counts on the CPU wherever the parameters are); else every device it is on, with its
+    share, e.g. ``"cpu 40%, cuda:0 60%"``."""
+    where = placement(tensors)
+    total = sum(where.values())
+    if not total:
+        return "none"
+    device, most = max(where.items(), key=lambda item: item[1])
+    if most >= 0.99 * total:
+        return device
+    return ", ".join(f"{d} {b / total:.0%}" for d, b in sorted(where.items()))
+
+
+def nbytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the tensors' storages, each counted once."""
+    return sum(placement(tensors).values())
 
 
 _WATCHED: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -15,4 +15,7 @@ ruff format --check .
 mypy
 lint-imports
 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
-python -m pytest "$@"
+# Two test files at a time (LMC_TEST_WORKERS; 0: one process): most tests wait on their ranks,
+# files and subprocesses more than they compute. A file's tests stay in one worker, so a
+# module's shared runs are made once.
+python -m pytest -n "${LMC_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"

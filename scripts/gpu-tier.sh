@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU tier and the GPU benchmark on a machine with one CUDA GPU (docs/gpu.md, "The GPU test
+# tier"). For a GPU machine without a package registry: wheels of what it lacks (megatron-core,
+# mbridge, torchdata, nvidia-resiliency-ext) in ./.whl are installed first (docs/testing.md says
+# how to download them). Results go to $OUT (default ./gpu-results), written as they come, so
+# that a run cut short still leaves what it measured:
+#   environment.txt   nvidia-smi, versions
+#   gpu-tier.log/.xml tests/gpu (one GPU: the one-GPU cells run side by side)
+#   bench/            python -m benchmarks --device cuda (JSON and Markdown after each size)
+# `scripts/gpu-tier.sh tests` or `... bench` runs one part only. TEST_TIMEOUT and BENCH_TIMEOUT
+# (seconds) bound each part; BENCH_ARGS replaces the benchmark's arguments (default:
+# --sizes 1G,4G).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-results}"
+mkdir -p "$OUT/bench"
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+{
+  nvidia-smi
+  python3 -c 'import torch, lightning, megatron.core as m; print("torch", torch.__version__,
+"cuda", torch.version.cuda, "lightning", lightning.__version__, "megatron-core", m.__version__)'
+  python3 -c 'import nvidia_resiliency_ext as n; print("nvidia-resiliency-ext", n.__file__)'
+  df -h "$PWD" /tmp
+} >"$OUT/environment.txt" 2>&1
+part="${1:-all}"
+status=0
+if [ "$part" != bench ]; then
+timeout "${TEST_TIMEOUT:-330}" python3 -m pytest tests/gpu -n 4 -q -rA -p no:cacheprovider \
+  --junitxml="$OUT/gpu-tier.xml" >"$OUT/gpu-tier.log" 2>&1 || status=1
+tail -n 30 "$OUT/gpu-tier.log"
+fi
+if [ "$part" != tests ]; then
+# shellcheck disable=SC2086
+timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --device cuda ${BENCH_ARGS:---sizes 1G,4G} \
+  --dir /tmp/lmc-bench --out "$OUT/bench" >"$OUT/bench.log" 2>&1 || status=1
+tail -n 60 "$OUT/bench.log"
+fi
+exit "$status"

@@ -278,6 +278,43 @@ def check_resume(
     bad = [h for h in hows if h not in ALL_HOWS]
     if bad or not hows:
         raise ValueError(f"check_resume(how={how!r}): choose from {ALL_HOWS}")
+    source, world_size, max_steps = _job_source(build, world_size, max_steps)
+    _check_steps(stop_at, max_steps, world_size)
+    owned = workdir is None
+    root = _workdir(workdir)
+    report = ResumeReport(stop_at=stop_at, max_steps=max_steps, world_size=world_size)
+    report.workdir = None if owned else str(root)
+    runs = _Runs(source, report, timeout)
+    try:
+        ref = runs.launch(root / "reference" / "run", None, None, "the uninterrupted run")
+        if check_determinism:
+            again = runs.launch(
+                root / "reference_again" / "run",
+                None,
+                None,
+                "the second uninterrupted run (the determinism check)",
+            )
+            report.nondeterminism = compare_timelines(ref[0], again[0]) or compare_finals(
+                ref[1], again[1]
+            )
+            if report.nondeterminism is not None:
+                return report
+        for way in hows:
+            base = root / way
+            runs.launch(base / "interrupted", None, way, f"the interrupted run ({way})")
+            resumed = runs.launch(base / "resumed", "last", None, f"the resumed run ({way})")
+            report.results.append(InterruptionResult(way, resumed[2], _divergence(ref, resumed)))
+        return report
+    finally:
+        if owned:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _job_source(
+    build: Callable[[], ResumeJob] | str | Path, world_size: int | None, max_steps: int | None
+) -> tuple[Any, int, int]:
+    """What every rank builds the job from (the function, or the config's path and text), with
+    the world size and the last step (the config's, where the caller gave none)."""
     source: Any
     if isinstance(build, str | Path):
         config = read_config(build)
@@ -291,12 +328,15 @@ def check_resume(
             f"check_resume(build={build!r}): pass a function returning a ResumeJob, or the "
             "path of a LightningCLI config"
         )
-    world_size = world_size or 1
     if max_steps is None:
         raise ValueError(
             "check_resume(max_steps=None): pass the step to compare up to (--max-steps), or "
             "set trainer.max_steps in the config"
         )
+    return source, world_size or 1, max_steps
+
+
+def _check_steps(stop_at: int, max_steps: int, world_size: int) -> None:
     for name, value in (("stop_at", stop_at), ("max_steps", max_steps), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"check_resume({name}={value!r}): must be a positive int")
@@ -305,66 +345,62 @@ def check_resume(
             f"check_resume(stop_at={stop_at}, max_steps={max_steps}): stop_at must be before "
             "max_steps, so that the resumed run has steps left to train"
         )
-    owned = workdir is None
-    root = Path(tempfile.mkdtemp(prefix="resume-check-")) if owned else Path(workdir)  # type: ignore[arg-type]
-    if not owned and root.exists() and any(root.iterdir()):
+
+
+def _workdir(workdir: str | Path | None) -> Path:
+    """The check's directory: a new temporary one, or ``workdir`` if it is new or empty."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix="resume-check-"))
+    root = Path(workdir)
+    if root.exists() and any(root.iterdir()):
         raise ValueError(
             f"check_resume(workdir={str(workdir)!r}): the directory is not empty; pass a new "
             "or empty directory"
         )
     root.mkdir(parents=True, exist_ok=True)
-    report = ResumeReport(stop_at=stop_at, max_steps=max_steps, world_size=world_size)
-    report.workdir = None if owned else str(root)
-    try:
+    return root
 
-        def launch(run_dir: Path, ckpt: str | None, way: str | None, run: str) -> Any:
-            ckpt_dir = run_dir.parent / "checkpoints"
-            steps = stop_at if way == "max_steps" else max_steps
-            failed = _launch(
-                source, world_size, run_dir, ckpt_dir, steps, ckpt, way, stop_at, timeout
-            )
-            if failed is not None:
-                report.failure = job_failure(run, run_dir / "probe", failed)
-                raise JobFailed(report) from failed
-            return _read_run(run_dir / "probe")
 
-        ref, ref_final, _ = launch(root / "reference" / "run", None, None, "the uninterrupted run")
-        if check_determinism:
-            again, again_final, _ = launch(
-                root / "reference_again" / "run",
-                None,
-                None,
-                "the second uninterrupted run (the determinism check)",
-            )
-            report.nondeterminism = compare_timelines(ref, again) or compare_finals(
-                ref_final, again_final
-            )
-            if report.nondeterminism is not None:
-                return report
-        for way in hows:
-            base = root / way
-            launch(base / "interrupted", None, way, f"the interrupted run ({way})")
-            run, final, resumed_from = launch(
-                base / "resumed", "last", None, f"the resumed run ({way})"
-            )
-            divergence: Divergence | None
-            if resumed_from == 0:
-                divergence = Divergence(
-                    step=None,
-                    epoch=None,
-                    batch=None,
-                    differs={"length": sorted(run)},
-                    message=(
-                        "the resumed run started from step 0: nothing was resumed (no complete "
-                        "step in the checkpoint directory?)"
-                    ),
-                )
-            else:
-                divergence = compare_timelines(ref, run, resumed_from) or compare_finals(
-                    ref_final, final
-                )
-            report.results.append(InterruptionResult(way, resumed_from, divergence))
-        return report
-    finally:
-        if owned:
-            shutil.rmtree(root, ignore_errors=True)
+class _Runs:
+    """Launches the job's runs of one check; a run that fails to run ends the check."""
+
+    def __init__(self, source: Any, report: ResumeReport, timeout: float) -> None:
+        self.source, self.report, self.timeout = source, report, timeout
+
+    def launch(self, run_dir: Path, ckpt: str | None, way: str | None, run: str) -> Any:
+        """Run the job once (``way``: interrupted so; ``ckpt``: resumed from it) and read what
+        its probe recorded: (timelines, finals, the step it resumed from)."""
+        report = self.report
+        steps = report.stop_at if way == "max_steps" else report.max_steps
+        failed = _launch(
+            self.source,
+            report.world_size,
+            run_dir,
+            run_dir.parent / "checkpoints",
+            steps,
+            ckpt,
+            way,
+            report.stop_at,
+            self.timeout,
+        )
+        if failed is not None:
+            report.failure = job_failure(run, run_dir / "probe", failed)
+            raise JobFailed(report) from failed
+        return _read_run(run_dir / "probe")
+
+
+def _divergence(ref: Any, resumed: Any) -> Divergence | None:
+    """Where a resumed run first differs from the uninterrupted one (``None``: nowhere)."""
+    run, final, resumed_from = resumed
+    if resumed_from == 0:
+        return Divergence(
+            step=None,
+            epoch=None,
+            batch=None,
+            differs={"length": sorted(run)},
+            message=(
+                "the resumed run started from step 0: nothing was resumed (no complete "
+                "step in the checkpoint directory?)"
+            ),
+        )
+    return compare_timelines(ref[0], run, resumed_from) or compare_finals(ref[1], final)

@@ -28,7 +28,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests write under their tmp_path. A file that a session adds to the repository (untracked or
 # ignored, and not there when it started) fails the run, named in the summary. Not counted:
 # Python's and the tools' caches, the environments, and new .py/.md files (an edit made while
-# the suite ran, not a test's output). Not checked where the tests are not a git checkout's.
+# the suite ran, not a test's output) except under CI (``CI`` set, or ``.ci/run``'s
+# ``LMC_REQUIRE_OTHER=1``), where nobody edits the checkout during the run. Not checked where
+# the tests are not a git checkout's.
 
 _ROOT = Path(_HERE).resolve().parent
 _NOT_COUNTED_DIRS = (
@@ -70,8 +72,14 @@ def checkout_files(root: Path) -> set[tuple[str, str]] | None:
     return {(e[:2], e[3:]) for e in entries if e[:2] in ("??", "!!")}
 
 
+def _under_ci() -> bool:
+    ci = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+    return ci or os.environ.get("LMC_REQUIRE_OTHER") == "1"
+
+
 def left_behind(before: set[tuple[str, str]], after: set[tuple[str, str]]) -> list[str]:
     """The files in ``after`` and not in ``before`` that count (see above), sorted."""
+    sources_count = _under_ci()
     before_paths = {path for _, path in before}
     left = []
     for status, path in after:
@@ -80,7 +88,7 @@ def left_behind(before: set[tuple[str, str]], after: set[tuple[str, str]]) -> li
             continue
         if parts[0].startswith(".venv") or any(p.endswith(".egg-info") for p in parts):
             continue
-        if status == "??" and path.endswith(_SOURCES):
+        if status == "??" and path.endswith(_SOURCES) and not sources_count:
             continue
         left.append(path)
     return sorted(left)

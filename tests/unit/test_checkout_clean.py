@@ -63,8 +63,12 @@ def checkout(tmp_path: Path) -> Path:
     return repo
 
 
-def _session(repo: Path, leave: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+def _session(
+    repo: Path, leave: str, ci: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    outside_ci = ("PYTEST_ADDOPTS", "CI", "LMC_REQUIRE_OTHER")
+    env = {k: v for k, v in os.environ.items() if k not in outside_ci}
+    env.update(ci or {})
     env["LEAVE"] = leave
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "tests"],
@@ -103,3 +107,20 @@ def test_a_session_that_leaves_a_file_fails_naming_it(checkout: Path, leave: str
         assert f"  {name}\n" in summary
     for before in ("notes.txt", ".venv-py3.12", "version_0", "__pycache__", ".pytest_cache"):
         assert before not in summary
+
+
+@pytest.mark.parametrize(
+    "ci", [{}, {"CI": "true"}, {"LMC_REQUIRE_OTHER": "1"}], ids=["dev", "CI", "ci-run"]
+)
+def test_a_new_source_file_counts_only_under_ci(checkout: Path, ci: dict[str, str]) -> None:
+    # While developing, a .py/.md file that appears during the run is an edit, not the tests'
+    # output; under CI nobody edits the checkout, so it is the tests' and fails the session.
+    done = _session(checkout, "written_by_a_test.py,docs/written.md", ci)
+    if not ci:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "files left in the checkout" not in done.stdout
+        return
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = done.stdout.split("files left in the checkout", 1)[1]
+    assert "left 2 new file(s)" in summary
+    assert "  written_by_a_test.py\n" in summary and "  docs/written.md\n" in summary

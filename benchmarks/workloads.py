@@ -348,6 +348,44 @@ def _probe_class() -> Any:
     return SaveProbe
 
 
+def _saves_apart_class() -> Any:
+    import lightning.pytorch as pl
+
+    class SavesApart(pl.Callback):  # type: ignore[misc]
+        """Before each step that ends with a save (an async run's): waits until the previous
+        save is durable and finalised (the strategy's ``finalize_pending_save``, collective:
+        every rank at the same step), outside any save's timed blocking. So each
+        save's blocking is its own, however short the steps between saves; the waits are
+        reported apart (``wait_for_previous_s``)."""
+
+        def __init__(self, every: int) -> None:
+            self.every = every
+            self.waits: list[float] = []
+            self.end_wait = 0.0
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if (trainer.global_step + 1) % self.every:
+                return
+            self.waits.append(self._wait(trainer))
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            # The last save too (the strategy's own end would finalise it blocking, counted).
+            self.end_wait = self._wait(trainer)
+
+        @staticmethod
+        def _wait(trainer: Any) -> float:
+            start = time.perf_counter()
+            # Not finalize_pending_save(blocking=True): the strategy counts a finalising call's
+            # whole time (its wait included) in that save's blocking. Asked until the write is
+            # done on every rank (collective, so every rank leaves at the same call), the
+            # finalising call itself is all that is counted.
+            while not trainer.strategy.finalize_pending_save(blocking=False):
+                time.sleep(0.002)
+            return time.perf_counter() - start
+
+    return SavesApart
+
+
 def _our_fit(
     rank: int,
     world: int,
@@ -366,7 +404,13 @@ def _our_fit(
     every = cfg.get("every", 3)
     probe = _probe_class()(dirpath)
     callback = MegatronCheckpoint(dirpath, every_n_train_steps=every, save_last=False)
-    callbacks = [probe, *(extra_callbacks(probe) if extra_callbacks else []), callback]
+    apart = _saves_apart_class()(every) if mode == "async" else None
+    callbacks = [
+        probe,
+        *([apart] if apart is not None else []),
+        *(extra_callbacks(probe) if extra_callbacks else []),
+        callback,
+    ]
     module = _module(cfg["size"], hidden)
     trainer = _trainer(
         cfg["saves"] * every,
@@ -393,6 +437,8 @@ def _our_fit(
             "writer": metas[-1].get("writer", writer),
             **probe.figures(),
         }
+        if apart is not None:  # the wait before each save but the first (none before it)
+            out["wait_for_previous_s"] = _summary(apart.waits[1:] or apart.waits)
     return out
 
 

@@ -60,6 +60,10 @@ libraries (empty: every rank forked from it can use CUDA)."""
 PRELOADED: list[str] = []
 """The modules this process imported for its ranks."""
 
+PRELOAD_FAILED: dict[str, str] = {}
+"""Each module of ``_MODULES`` this process could not import, with why (the traceback of the
+``ImportError``): a rank imports it itself, later, and says nothing of it otherwise."""
+
 _counts: dict[str | None, int] = {}
 
 
@@ -130,6 +134,7 @@ def _preload() -> None:
             try:
                 __import__(name)
             except ImportError:  # as multiprocessing's own preload: a rank imports it itself
+                PRELOAD_FAILED[name] = traceback.format_exc()
                 continue
             PRELOADED.append(name)
     if torch.cuda.is_initialized() and not CUDA_INITIALISED_BY:

@@ -65,6 +65,7 @@ def report(rank, world_size):
         "bad_fork": torch._C._cuda_isInBadFork(),
         "preloaded": preloaded,
         "recorded": list(getattr(server, "CUDA_INITIALISED_BY", [])),
+        "preload_failed": dict(getattr(server, "PRELOAD_FAILED", {})),
         "answered_counts": list(server.answered_counts().values()) if server else [],
         # What the rank gets when it asks, itself (it may: it is the process that uses CUDA).
         "spies_in_place": torch._C._cuda_getDeviceCount is SPIES["_cuda_getDeviceCount"],
@@ -161,7 +162,9 @@ def test_the_forkserver_never_asks_or_initialises_cuda_and_its_ranks_can(tmp_pat
         assert rank["recorded"] == []
         assert rank["bad_fork"] is False
         # ... and the libraries are still imported there, so that a rank starts at once.
-        assert rank["preloaded"] == ["lightning.pytorch", "megatron.core"]
+        assert rank["preloaded"] == ["lightning.pytorch", "megatron.core"], "\n".join(
+            f"{name} not preloaded:\n{why}" for name, why in rank["preload_failed"].items()
+        )
         # What the libraries were told on import, when NVML could not say, is what CUDA says.
         assert all(count == rank["device_count"] for count in rank["answered_counts"])
         assert rank["spies_in_place"]  # torch's own functions are back in the ranks

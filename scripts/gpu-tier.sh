@@ -31,7 +31,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 part="${1:-all}"
 status=0
 if [ "$part" != bench ]; then
-timeout "${TEST_TIMEOUT:-330}" python3 -m pytest tests/gpu -n 4 -q -rA -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-330}" python3 -m pytest tests/gpu tests/distributed/test_launch_cuda.py -n 4 -q -rA -p no:cacheprovider \
   --junitxml="$OUT/gpu-tier.xml" >"$OUT/gpu-tier.log" 2>&1 || status=1
 tail -n 30 "$OUT/gpu-tier.log"
 fi

@@ -16,6 +16,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -39,8 +40,45 @@ class DistributedFailure(RuntimeError):
     """A rank of :func:`run_distributed` raised, died, or did not finish in time."""
 
 
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes a connection's local port from (Linux; IANA's elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free at the time of the call."""
+    """A TCP port on 127.0.0.1 that is free at the time of the call.
+
+    Taken below the kernel's ephemeral range when there is room: a port the kernel hands out
+    (``bind`` to port 0) is also what it gives the local end of the next outgoing connection,
+    and with other jobs on the machine connecting (their ranks' gloo pairs, their stores) one
+    of them could take it between this call and the rendezvous store's ``bind``, which then
+    fails with ``EADDRINUSE``. Below that range only a process that asks for the port by number
+    gets it, and the pick is random, so that jobs started at once do not pick the same.
+    """
+    low, _ = _ephemeral_ports()
+    if low - 1 > _LOWEST_PORT:
+        picks = random.Random()  # not the global generator: a job's RNG is not touched
+        for _ in range(200):
+            port = picks.randint(_LOWEST_PORT, low - 1)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -125,3 +125,39 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(f"  {path}")
         if len(left) > 100:
             terminalreporter.write_line(f"  ... and {len(left) - 100} more")
+
+
+# --- the longest files first ----------------------------------------------------------------
+# scripts/test.sh runs two files at a time (pytest-xdist, --dist loadfile), handing out files in
+# the order they are collected. Started last, the resume matrix alone kept one worker busy for
+# minutes while the other had nothing left: the longest files (measured, a few minutes each)
+# go first, the rest in their usual order. The order changes no test's outcome.
+_LONGEST_FIRST = (
+    "tests/resume/test_matrix.py",
+    "tests/crossversion/test_cross_version.py",
+    "tests/distributed/test_lightning_parity.py",
+    "tests/examples/test_check_resume_examples.py",
+    "tests/export/test_hf_heads.py",
+    "tests/faults/test_agreement_matrix.py",
+    "tests/faults/test_preemption.py",
+    "tests/examples/test_examples.py",
+    "tests/resume/test_check_resume.py",
+    "tests/faults/test_failing_runs.py",
+    "tests/faults/test_crash_and_errors.py",
+    "tests/examples/test_demo.py",
+    "tests/faults/test_power_loss.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+
+    def order(item: pytest.Item) -> int:
+        path = Path(str(item.path)).resolve()
+        try:
+            relative = path.relative_to(_ROOT).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(relative, len(rank))
+
+    items.sort(key=order)  # stable: within a file and among the others, the usual order

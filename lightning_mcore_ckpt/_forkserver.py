@@ -35,6 +35,7 @@ Importing this module outside a forkserver does the same imports; it is not mean
 
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 import warnings
@@ -50,8 +51,22 @@ import torch  # after the environment variable above
 __all__ = ["CUDA_INITIALISED_BY", "PRELOADED", "answered_counts", "no_cuda_initialisation"]
 
 # The libraries the ranks use, in the order they are imported here. Lightning before
-# Megatron-Core, as Lightning's own import would set the NVML check (set above anyway).
-_MODULES = ("lightning.pytorch", "megatron.core", "lightning_mcore_ckpt._launch")
+# Megatron-Core, as Lightning's own import would set the NVML check (set above anyway). Then
+# what a rank of a training job imports next (the model, the checkpoint engine, this package's
+# strategy, callback and resume check, the tiny models of its demo): imported once here rather than by every rank (about a second of CPU
+# each, more where this package's bytecode is not cached).
+_MODULES = (
+    "lightning.pytorch",
+    "megatron.core",
+    "lightning_mcore_ckpt._launch",
+    "torchdata.stateful_dataloader",
+    "megatron.core.models.gpt",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "lightning_mcore_ckpt.strategy",
+    "lightning_mcore_ckpt.callback",
+    "lightning_mcore_ckpt.resume_check",
+    "lightning_mcore_ckpt.tiny",
+)
 
 CUDA_INITIALISED_BY: list[str] = []
 """The stack of every call that initialised CUDA in this process while it imported the
@@ -139,6 +154,13 @@ def _preload() -> None:
             PRELOADED.append(name)
     if torch.cuda.is_initialized() and not CUDA_INITIALISED_BY:
         CUDA_INITIALISED_BY.append("CUDA was initialised before this module was imported")
+    # What was imported lives as long as the ranks forked from here: out of the garbage
+    # collector's sight (Python's advice for processes that fork without exec). A rank's
+    # collection then walks only its own objects, not the libraries' millions (Megatron-Core
+    # collects at every save and load of a distributed optimizer's state), and leaves their
+    # pages shared with this process instead of copying them.
+    gc.collect()
+    gc.freeze()
 
 
 _preload()

@@ -15,6 +15,10 @@ ruff format --check .
 mypy
 lint-imports
 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+# This package's bytecode, as pip writes it for every installed package: the tests start
+# hundreds of interpreters and ranks, and where PYTHONDONTWRITEBYTECODE is set (as in many CI
+# images) each would otherwise compile the package from source again.
+python -m compileall -q -j 0 lightning_mcore_ckpt tests benchmarks examples >/dev/null
 # Two test files at a time (LMC_TEST_WORKERS; 0: one process): most tests wait on their ranks,
 # files and subprocesses more than they compute. A file's tests stay in one worker, so a
 # module's shared runs are made once.

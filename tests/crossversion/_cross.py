@@ -1,9 +1,12 @@
-"""One run of the cross-version test's job, under whichever Python runs this script.
+"""Runs of the cross-version test's jobs, under whichever Python runs this script.
 
-``python _cross.py RUN_DIR CKPT_DIR MAX_STEPS [last]``: train the job on 2 gloo processes to
-``MAX_STEPS`` (saving every 2 steps into ``CKPT_DIR``), resuming from its last step when asked;
-the resume check's probe records every batch under ``RUN_DIR/probe``. Prints the versions it ran
-with as one JSON line.
+``python _cross.py PLAN.json``: the plan is a list of runs, made in order in this one process
+(the libraries are imported, and the ranks' forkserver started, once for all of them). Each run
+is ``{"job", "run_dir", "ckpt_dir", "max_steps", "ckpt", "copy_from"}``: train ``job`` on 2
+gloo processes to ``max_steps`` (saving every 2 steps into ``ckpt_dir``), resuming from
+``ckpt`` (``"last"``) when given, after copying ``copy_from`` to ``ckpt_dir`` when given; the
+resume check's probe records every batch under ``run_dir/probe``. A run that fails stops the
+plan with its error (exit code 1). Prints the versions it ran with as one JSON line.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +29,7 @@ import _jobs  # noqa: E402
 # The cells: tensor-parallel shards (resharding-sensitive keys), a frozen input embedding and a
 # partly frozen layer stack (optimizer states for only some params), accumulation, a stateful
 # loader with workers; torch AdamW under bf16 autocast, or Megatron's distributed optimizer
-# (its sharding types differ between the versions) with Megatron's bf16. LMC_CROSS_JOB picks.
+# (its sharding types differ between the versions) with Megatron's bf16.
 _CELL = dict(
     layout="tp2",
     cadence="steps",
@@ -41,19 +45,30 @@ JOBS = {
         _jobs.build, **_CELL, precision="megatron-bf16", optimizer="distributed"
     ),
 }
-JOB = JOBS[os.environ.get("LMC_CROSS_JOB", "adamw")]
 
 
-def main(run_dir: str, ckpt_dir: str, max_steps: str, ckpt_path: str | None = None) -> None:
+def main(plan_file: str) -> None:
     from lightning_mcore_ckpt import _compat
     from lightning_mcore_ckpt.resume_check._run import _launch
 
-    # What stopped the job is returned (check-resume gives it a verdict of its own): raise it.
-    failure = _launch(
-        JOB, 2, Path(run_dir), Path(ckpt_dir), int(max_steps), ckpt_path, None, 1, 400.0
-    )
-    if failure is not None:
-        raise failure
+    for run in json.loads(Path(plan_file).read_text()):
+        ckpt_dir = Path(run["ckpt_dir"])
+        if run.get("copy_from"):
+            shutil.copytree(run["copy_from"], ckpt_dir)
+        # What stopped the job is returned (check-resume gives it a verdict of its own): raise it.
+        failure = _launch(
+            JOBS[run["job"]],
+            2,
+            Path(run["run_dir"]),
+            ckpt_dir,
+            int(run["max_steps"]),
+            run.get("ckpt"),
+            None,
+            1,
+            400.0,
+        )
+        if failure is not None:
+            raise failure
     print(json.dumps(_compat.versions()))
 
 

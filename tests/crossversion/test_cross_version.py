@@ -7,14 +7,15 @@ Needs the other supported combination's Python (``LMC_OTHER_PYTHON``: ``.ci/run`
 megatron-core 0.19 on Python 3.12 and 0.16 on Python 3.11, and sets it; ``LMC_REQUIRE_OTHER=1``
 turns the skip into a failure). The steps are generated in the run: step 2 of one job
 (tensor-parallel shards, frozen parameters, gradient accumulation, a stateful loader with
-workers, bf16) written by one version, resumed to step 4 from copies of it.
+workers, bf16) written by one version, resumed to step 4 from copies of it. Each Python makes its
+runs in one process (``_cross.py`` takes a plan): the older writes both jobs' steps and resumes
+its own copies, the newer resumes its copies and writes the step the older must refuse.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,40 +28,52 @@ from lightning_mcore_ckpt.resume_check._run import _read_run
 HERE = Path(__file__).resolve().parent
 OTHER = os.environ.get("LMC_OTHER_PYTHON")
 WRITTEN, MAX_STEPS = 2, 4
+JOBS = ("adamw", "distributed")
 
 if not OTHER and os.environ.get("LMC_REQUIRE_OTHER") == "1":
     raise RuntimeError("LMC_REQUIRE_OTHER=1 but LMC_OTHER_PYTHON is not set")
 pytestmark = [
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(1500),
     pytest.mark.skipif(not OTHER, reason="set LMC_OTHER_PYTHON to the other combination's python"),
 ]
 
 
-def _run(
-    python: str, run_dir: Path, ckpt_dir: Path, max_steps: int, ckpt: str | None, job: str = "adamw"
-) -> dict:
-    args = [python, str(HERE / "_cross.py"), str(run_dir), str(ckpt_dir), str(max_steps)]
-    done = subprocess.run(
-        [*args, *([ckpt] if ckpt else [])],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "LMC_CROSS_JOB": job},
+def _plan(python: str, runs: list[dict], where: Path) -> subprocess.CompletedProcess[str]:
+    """``runs`` (see ``_cross.py``) made in order by one process of ``python``."""
+    where.mkdir(parents=True, exist_ok=True)
+    plan = where / "plan.json"
+    plan.write_text(json.dumps([{k: str(v) for k, v in r.items() if v is not None} for r in runs]))
+    return subprocess.run(
+        [python, str(HERE / "_cross.py"), str(plan)], capture_output=True, text=True, timeout=1400
     )
+
+
+def _versions(done: subprocess.CompletedProcess[str]) -> dict:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _run(
+    job: str, run_dir: Path, ckpt_dir: Path, steps: int, copy_from: Path | None = None
+) -> dict:
+    """A run of ``_cross.py``'s plan; from a copy of ``copy_from``'s steps, resumed from "last"."""
+    return dict(
+        job=job,
+        run_dir=run_dir,
+        ckpt_dir=ckpt_dir,
+        max_steps=steps,
+        ckpt="last" if copy_from is not None else None,
+        copy_from=copy_from,
+    )
+
+
 def _mcore(python: str) -> str:
+    """The megatron-core installed for ``python`` (read from its metadata, not imported)."""
     done = subprocess.run(
-        [
-            python,
-            "-c",
-            "from lightning_mcore_ckpt import _compat; print(_compat.versions()['megatron_core'])",
-        ],
+        [python, "-c", "from importlib.metadata import version; print(version('megatron-core'))"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
@@ -77,29 +90,43 @@ def pythons() -> dict[str, str]:
     return {"old": old, "new": new}
 
 
-@pytest.mark.parametrize("job", ["adamw", "distributed"])
+@pytest.fixture(scope="module")
+def crossed(pythons: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every job's step 2 written by the older version and resumed to step 4 from copies of it
+    by both; and a step written by the newer. ``root``, and each version's ``versions``."""
+    root = tmp_path_factory.mktemp("cross")
+    written = {job: root / job / "written" for job in JOBS}
+    old = [_run(job, root / job / "write", written[job], WRITTEN) for job in JOBS]
+    old += [
+        _run(job, root / job / "old" / "run", root / job / "old" / "checkpoints", MAX_STEPS, w)
+        for job, w in written.items()
+    ]
+    new = [
+        _run(job, root / job / "new" / "run", root / job / "new" / "checkpoints", MAX_STEPS, w)
+        for job, w in written.items()
+    ]
+    new.append(_run("adamw", root / "newer" / "write", root / "newer" / "checkpoints", WRITTEN))
+    versions = {
+        "old": _versions(_plan(pythons["old"], old, root / "old-plan")),
+        "new": _versions(_plan(pythons["new"], new, root / "new-plan")),
+    }
+    return {"root": root, "versions": versions}
+
+
+@pytest.mark.parametrize("job", JOBS)
 def test_a_step_written_by_the_older_version_resumes_exactly_under_the_newer(
-    tmp_path: Path, pythons: dict[str, str], job: str
+    crossed: dict, job: str
 ) -> None:
-    written = tmp_path / "written"
-    wrote = _run(pythons["old"], tmp_path / "write", written, WRITTEN, None, job)
-    metadata = layout.read_metadata(written / f"global_step_{WRITTEN}")
-    assert metadata is not None and metadata["versions"]["megatron_core"] == wrote["megatron_core"]
+    root, versions = crossed["root"] / job, crossed["versions"]
+    metadata = layout.read_metadata(root / "written" / f"global_step_{WRITTEN}")
+    wrote = versions["old"]["megatron_core"]
+    assert metadata is not None and metadata["versions"]["megatron_core"] == wrote
 
     runs = {}
     for who in ("old", "new"):
-        shutil.copytree(written, tmp_path / who / "checkpoints")
-        versions = _run(
-            pythons[who],
-            tmp_path / who / "run",
-            tmp_path / who / "checkpoints",
-            MAX_STEPS,
-            "last",
-            job,
-        )
-        timelines, finals, resumed_from = _read_run(tmp_path / who / "run" / "probe")
+        timelines, finals, resumed_from = _read_run(root / who / "run" / "probe")
         assert resumed_from == WRITTEN, f"{who} did not resume from step {WRITTEN}"
-        runs[who] = (timelines, finals, versions)
+        runs[who] = (timelines, finals, versions[who])
     (own, own_final, _), (cross, cross_final, _) = runs["old"], runs["new"]
     assert sorted(own) == sorted(cross) == [0, 1]
     for rank in own:
@@ -115,7 +142,7 @@ def test_a_step_written_by_the_older_version_resumes_exactly_under_the_newer(
             differs = [k for k in keys if a[k] != b[k]]
             assert not differs, (
                 f"rank {rank}, batch {a['loop']}: {differs} differ between the resume of step "
-                f"{WRITTEN} (written by megatron-core {wrote['megatron_core']}) under "
+                f"{WRITTEN} (written by megatron-core {wrote}) under "
                 f"{runs['old'][2]['megatron_core']} and under {runs['new'][2]['megatron_core']}"
             )
         for key in ("loop", "rng", "scheduler"):
@@ -123,18 +150,16 @@ def test_a_step_written_by_the_older_version_resumes_exactly_under_the_newer(
 
 
 def test_a_step_written_by_the_newer_version_is_refused_by_the_older_naming_both(
-    tmp_path: Path, pythons: dict[str, str]
+    tmp_path: Path, pythons: dict[str, str], crossed: dict
 ) -> None:
     # megatron-core 0.16 cannot read the format of 0.17+ (common state inside the torch_dist
     # files): refused before training, naming both versions, with nothing written.
-    written = tmp_path / "checkpoints"
-    new = _run(pythons["new"], tmp_path / "write", written, WRITTEN, None)["megatron_core"]
-    old = _mcore(pythons["old"])
+    written = crossed["root"] / "newer" / "checkpoints"
+    new = crossed["versions"]["new"]["megatron_core"]
+    old = crossed["versions"]["old"]["megatron_core"]
     before = sorted(p.relative_to(written) for p in written.rglob("*"))
-    args = [pythons["old"], str(HERE / "_cross.py"), str(tmp_path / "run"), str(written)]
-    done = subprocess.run(
-        [*args, str(MAX_STEPS), "last"], capture_output=True, text=True, timeout=600
-    )
+    resume = {**_run("adamw", tmp_path / "run", written, MAX_STEPS), "ckpt": "last"}
+    done = _plan(pythons["old"], [resume], tmp_path)
     assert done.returncode != 0
     assert (
         f"was written by megatron-core {new}, whose format megatron-core {old} cannot read"

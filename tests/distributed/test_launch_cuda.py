@@ -58,12 +58,17 @@ def report(rank, world_size):
     import torch
 
     server = sys.modules.get("lightning_mcore_ckpt._forkserver")
-    preloaded = [m for m in ("lightning.pytorch", "megatron.core") if m in sys.modules]
+    import gc
+
+    meant = list(getattr(server, "_MODULES", ()))
+    preloaded = [m for m in meant if m in sys.modules]
     return {
         "forked_from_server": os.getppid() == SERVER,
         "server_calls": [c for c in CALLS if c["pid"] == SERVER],
         "bad_fork": torch._C._cuda_isInBadFork(),
         "preloaded": preloaded,
+        "meant": meant,
+        "frozen": gc.get_freeze_count(),
         "recorded": list(getattr(server, "CUDA_INITIALISED_BY", [])),
         "preload_failed": dict(getattr(server, "PRELOAD_FAILED", {})),
         "answered_counts": list(server.answered_counts().values()) if server else [],
@@ -162,9 +167,14 @@ def test_the_forkserver_never_asks_or_initialises_cuda_and_its_ranks_can(tmp_pat
         assert rank["recorded"] == []
         assert rank["bad_fork"] is False
         # ... and the libraries are still imported there, so that a rank starts at once.
-        assert rank["preloaded"] == ["lightning.pytorch", "megatron.core"], "\n".join(
+        assert {"lightning.pytorch", "megatron.core", "lightning_mcore_ckpt.strategy"} <= set(
+            rank["meant"]
+        )
+        assert rank["preloaded"] == rank["meant"], "\n".join(
             f"{name} not preloaded:\n{why}" for name, why in rank["preload_failed"].items()
         )
+        # What they imported is out of the garbage collector's sight in the ranks.
+        assert rank["frozen"] > 100_000
         # What the libraries were told on import, when NVML could not say, is what CUDA says.
         assert all(count == rank["device_count"] for count in rank["answered_counts"])
         assert rank["spies_in_place"]  # torch's own functions are back in the ranks

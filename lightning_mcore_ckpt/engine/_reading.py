@@ -6,8 +6,11 @@ CPU and the CPU for the disk. :class:`ParallelFileSystemReader` reads the files 
 with a thread pool (each file sequentially, in offset order). A record whose bytes lie in the
 file as they will in memory (the usual case) is read straight into the tensor it is loaded
 into: no temporary tensor, no copy. Its layout comes from torch.load onto the meta device,
-which parses the record without reading its data. Any other record goes through torch.load
-and a copy. The planner (where each tensor goes) is called under a lock.
+which parses the record without reading its data. A record loaded into a device tensor (a
+run on GPUs) is read in chunks into two pinned host buffers of its thread, each chunk copied to
+the device while the next is read: no pageable copy of the record, and no second copy on the
+device. Any other record goes through torch.load and a copy. The planner (where each tensor
+goes) is called under a lock.
 """
 
 from __future__ import annotations
@@ -101,15 +104,15 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
     """Read a record's bytes into ``target`` when they lie there as they will in memory.
 
     ``layout`` is the record's tensor on the meta device (where its storage starts in the
-    record, its offset, strides and dtype). ``False``, having read nothing, for any other case
-    (a strided or differently typed tensor, a device tensor): torch.load and a copy do those.
+    record, its offset, strides and dtype). A host ``target`` is read into directly; a device
+    one through pinned host buffers (:class:`DeviceBounce`). ``False``, having read nothing, for
+    any other case (a strided or differently typed tensor): torch.load and a copy do those.
     """
     start = getattr(layout.untyped_storage(), "_checkpoint_offset", None)
-    local = hasattr(os, "preadv") and isinstance(getattr(stream, "raw", None), io.FileIO)
     if (
         start is None
         or sys.byteorder != "little"
-        or target.device.type != "cpu"
+        or target.device.type not in ("cpu", "cuda")
         or layout.dtype != target.dtype
         or not layout.is_contiguous()
         or not target.is_contiguous()
@@ -118,12 +121,22 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
         return False
     size = layout.element_size()
     position = record_offset + start + layout.storage_offset() * size
-    buffer = target.reshape(-1).view(torch.uint8).numpy().data
-    if not local:  # a remote file: one ranged read, straight into the tensor
+    flat = target.reshape(-1).view(torch.uint8)
+    if target.device.type == "cpu":
+        _read_exactly(stream, position, flat.numpy().data)
+    else:
+        DeviceBounce.for_this_thread(target.device).read(stream, position, flat)
+    return True
+
+
+def _read_exactly(stream: Any, position: int, buffer: memoryview) -> None:
+    """``len(buffer)`` bytes of ``stream`` from ``position`` into ``buffer``: ``preadv`` on a local
+    file, one ranged read on a remote one (a view of a step in an object store)."""
+    if not (hasattr(os, "preadv") and isinstance(getattr(stream, "raw", None), io.FileIO)):
         stream.seek(position)
         if stream.readinto(buffer) != len(buffer):
             raise OSError(f"{stream.name}: the object ends inside a record")
-        return True
+        return
     done = 0
     while done < len(buffer):
         read = os.preadv(stream.fileno(), [buffer[done:]], position + done)
@@ -132,7 +145,53 @@ def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: to
                 f"{stream.name}: the file ends inside a record (at byte {position + done})"
             )
         done += read
-    return True
+
+
+class DeviceBounce:
+    """A reader thread's way to a device tensor: two pinned host buffers of :attr:`CHUNK`
+    bytes and a copy stream. A chunk is read into one buffer while the other's copy to the
+    device runs; a buffer is read into again only once its copy is done. :meth:`read` returns
+    when the record is on the device."""
+
+    CHUNK = 32 * 1024 * 1024
+    _local = threading.local()
+
+    def __init__(self, device: torch.device, chunk: int, pinned: bool = True) -> None:
+        self.device = device
+        self.buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        on_device = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if on_device else None
+        self.copied: list[Any] = [torch.cuda.Event() if on_device else None for _ in range(2)]
+
+    @classmethod
+    def for_this_thread(cls, device: torch.device) -> DeviceBounce:
+        """The calling thread's bounce for ``device`` (made at its first device record)."""
+        made = getattr(cls._local, "bounces", None)
+        if made is None:
+            made = cls._local.bounces = {}
+        if device not in made:
+            made[device] = cls(device, cls.CHUNK)
+        return made[device]
+
+    def read(self, stream: Any, position: int, dest: torch.Tensor) -> None:
+        """``dest.numel()`` bytes of ``stream`` from ``position`` into ``dest`` (uint8, flat)."""
+        chunk = self.buffers[0].numel()
+        if self.stream is not None:  # after what the thread's stream has queued for dest
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for i, begin in enumerate(range(0, dest.numel(), chunk)):
+            n = min(chunk, dest.numel() - begin)
+            buffer, copied = self.buffers[i % 2], self.copied[i % 2]
+            if copied is not None:
+                copied.synchronize()  # this buffer's previous chunk has reached the device
+            _read_exactly(stream, position + begin, buffer[:n].numpy().data)
+            if self.stream is None:  # a host destination (tests): a plain copy
+                dest[begin : begin + n].copy_(buffer[:n])
+                continue
+            with torch.cuda.stream(self.stream):
+                dest[begin : begin + n].copy_(buffer[:n], non_blocking=True)
+                copied.record(self.stream)
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 _swap_lock = threading.RLock()

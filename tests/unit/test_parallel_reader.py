@@ -107,3 +107,29 @@ def test_a_slice_of_a_saved_chunk_is_read_from_its_place(tmp_path: Path) -> None
 
     reader.read_data(LoadPlan([item]), Planner()).wait()
     assert torch.equal(target, saved[10:20])
+
+
+@pytest.mark.parametrize(
+    "nbytes", [1, 4096, 3 * 4096, 3 * 4096 + 17], ids=["byte", "chunk", "chunks", "ragged"]
+)
+@pytest.mark.parametrize("remote", [False, True], ids=["local-file", "ranged-reads"])
+def test_a_record_bounced_through_two_buffers_arrives_whole(
+    tmp_path: Path, nbytes: int, remote: bool
+) -> None:
+    # The device path's chunking, on the host: two buffers of 4 KiB taking turns, a record of
+    # one byte, exactly one chunk, several, and several plus a ragged end; from a local file
+    # (preadv) and from a stream read by range (a view of a step in an object store).
+    import io
+
+    payload = torch.randint(0, 256, (nbytes + 100,), dtype=torch.uint8, generator=None)
+    path = tmp_path / "shard"
+    path.write_bytes(bytes(payload.tolist()))
+    bounce = _reading.DeviceBounce(torch.device("cpu"), 4096, pinned=False)
+    dest = torch.zeros(nbytes, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        stream = io.BufferedReader(io.BytesIO(f.read())) if remote else f
+        bounce.read(stream, 50, dest)
+    assert torch.equal(dest, payload[50 : 50 + nbytes])
+    # A record beyond the end of the file is an error, not a short read.
+    with open(path, "rb") as f, pytest.raises(OSError, match="ends inside a record"):
+        bounce.read(f, payload.numel() - 10, torch.zeros(20, dtype=torch.uint8))

@@ -99,11 +99,24 @@ def _kept_stager(options: Any) -> Any:
     class _KeptStager(DefaultStager):  # type: ignore[misc]
         closes_ignored = 0
 
-        def close(self) -> None:
-            # Not super(): the benchmark closes it once, at the end (release).
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Its deep-copy stager too, wherever torch closes that one directly.
+            inner = getattr(self, "_state_dict_stager", None)
+            self._inner_close = getattr(inner, "close", None)
+            if inner is not None and self._inner_close is not None:
+                inner.close = self._ignored
+
+        def _ignored(self) -> None:
             self.closes_ignored += 1
 
+        def close(self) -> None:
+            # Not super(): the benchmark closes it once, at the end (release).
+            self._ignored()
+
         def release(self) -> None:
+            if self._inner_close is not None:
+                self._state_dict_stager.close = self._inner_close
             super().close()
 
     return _KeptStager(options)

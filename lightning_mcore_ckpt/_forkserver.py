@@ -53,8 +53,9 @@ __all__ = ["CUDA_INITIALISED_BY", "PRELOADED", "answered_counts", "no_cuda_initi
 # The libraries the ranks use, in the order they are imported here. Lightning before
 # Megatron-Core, as Lightning's own import would set the NVML check (set above anyway). Then
 # what a rank of a training job imports next (the model, the checkpoint engine, this package's
-# strategy, callback and resume check, the tiny models of its demo): imported once here rather than by every rank (about a second of CPU
-# each, more where this package's bytecode is not cached).
+# strategy, callback and resume check, the tiny models of its demo): imported once here rather
+# than by every rank (about a second of CPU each, more where this package's bytecode is not
+# cached).
 _MODULES = (
     "lightning.pytorch",
     "megatron.core",

@@ -33,14 +33,19 @@ FIXED_COST_HIDDEN = 64
 
 
 def pinned_host_bytes() -> int:
-    """Bytes of pinned host memory held by torch's pinned allocator (0 before CUDA is used).
+    """Bytes of pinned host memory in use in torch's pinned allocator (0 before CUDA is used).
 
     Pinned memory is host memory that resident-set figures do not show (the driver maps it
     into the process): an async save on a GPU that pinned 1 GiB of staging buffers read 9 MiB
-    more RSS. Host memory is RSS plus this."""
+    more RSS. Host memory is RSS plus this. The blocks in use (``active_bytes``), not the
+    blocks the allocator owns (``allocated_bytes``): the methods run one after the other in
+    one process, and the allocator keeps an earlier method's freed blocks for the next, so
+    owned bytes would count them in the level a later save is measured from (ours-async read
+    10 MiB of extra host memory, on the H200, after DCP's async save had pinned its own
+    buffers)."""
     if not torch.cuda.is_initialized():
         return 0
-    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
 
 
 class PeakRSS:

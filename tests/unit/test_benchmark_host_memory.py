@@ -47,3 +47,22 @@ def test_no_pinned_memory_is_counted_before_cuda_is_used() -> None:
     if torch.cuda.is_initialized():
         pytest.skip("CUDA was used in this process")
     assert workloads.pinned_host_bytes() == 0
+
+
+@pytest.mark.parametrize("cached_mib", [0, 1024])
+@pytest.mark.parametrize("active_mib", [0, 256])
+def test_pinned_memory_is_what_is_in_use_not_what_the_allocator_keeps(
+    active_mib: int, cached_mib: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The methods run one after the other in one process: blocks an earlier method pinned and
+    freed stay owned by torch's pinned allocator (``allocated_bytes``) and are reused by the
+    next. Only the blocks in use (``active_bytes``) are the memory a save holds."""
+    import torch
+
+    stats = {
+        "allocated_bytes.current": (active_mib + cached_mib) * MiB,
+        "active_bytes.current": active_mib * MiB,
+    }
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: stats)
+    assert workloads.pinned_host_bytes() == active_mib * MiB

@@ -8,7 +8,7 @@ figures so far, method after method, to ``<stem>.progress-<size>-<procs>p.json``
 chart at the end.
 
 ``--device cuda`` trains on one GPU per process. The process that starts the ranks never
-initialises CUDA (``lightning_mcore_ckpt._forkserver``); every method is timed on the state
+initialises CUDA (``lightning_mcore_ckpt.launch.forkserver``); every method is timed on the state
 while it is on the GPU it trained on.
 """
 
@@ -151,7 +151,7 @@ def hash_bandwidth(size: int, repeats: int) -> float:
     """XXH3-128 of a buffer on one thread (GB/s): what hashing every file costs a writer."""
     import torch
 
-    from lightning_mcore_ckpt import integrity
+    from lightning_mcore_ckpt.format import integrity
 
     data = memoryview(torch.ones(size // 4).view(torch.uint8).numpy())
     times = []

@@ -347,7 +347,7 @@ class _Methods:
 
     def ours_load(self) -> dict[str, Any]:
         """Our cold load of the run's last step into the live model and optimizer."""
-        from lightning_mcore_ckpt import layout
+        from lightning_mcore_ckpt.format import layout
 
         last = layout.resolve_last(self.dirpath, verify=False)
         assert last is not None, f"no committed step in {self.dirpath}"
@@ -487,7 +487,7 @@ class _Methods:
         import torch.distributed.checkpoint as dcp
         from megatron.core import dist_checkpointing
 
-        from lightning_mcore_ckpt import integrity
+        from lightning_mcore_ckpt.format import integrity
 
         device, plain = self.where(), self.plain()
         rounds: dict[str, list[float]] = {

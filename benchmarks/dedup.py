@@ -46,7 +46,8 @@ def frozen_saves(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's figures for each mode: steady save time (every save but the first), the bytes
     a step holds itself, and the bytes the run directory holds at the end."""
 
-    from lightning_mcore_ckpt import MegatronCheckpoint, layout
+    from lightning_mcore_ckpt import MegatronCheckpoint
+    from lightning_mcore_ckpt.format import layout
 
     out: dict[str, Any] = {}
     for mode in ("plain", "dedup"):

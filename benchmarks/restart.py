@@ -159,7 +159,7 @@ def lightning_file(root: Path) -> Path:
 def restart_times(scratch: Path, size: str, device: str, repeats: int) -> dict[str, Any]:
     """Each row launched ``repeats`` times (rows interleaved, the page cache dropped before
     every launch); medians of every phase, and the bytes each resume read."""
-    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.testing import run_distributed
 
     base = {"size": size, "device": device}

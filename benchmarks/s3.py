@@ -90,8 +90,9 @@ def measure(
     sys.path.insert(0, str(HERE.parent / "tests" / "storage"))
     from _s3server import S3Server
 
-    from lightning_mcore_ckpt import _objects, replica
-    from lightning_mcore_ckpt._objects import ObjectStore
+    from lightning_mcore_ckpt.storage import objects as _objects
+    from lightning_mcore_ckpt.storage import publication as replica
+    from lightning_mcore_ckpt.storage.objects import ObjectStore
 
     server = S3Server(scratch / "server").start()
     saved_env = {k: os.environ.get(k) for k in server.env()}

@@ -419,7 +419,8 @@ def _our_fit(
     """A Trainer run of ours saving every ``cfg["every"]`` steps, ``cfg["saves"]`` times: rank
     0's figures from each committed step's metadata (steady state: every save but the first,
     which is reported on its own) and the probe's."""
-    from lightning_mcore_ckpt import MegatronCheckpoint, layout
+    from lightning_mcore_ckpt import MegatronCheckpoint
+    from lightning_mcore_ckpt.format import layout
 
     every = cfg.get("every", 3)
     probe = _probe_class()(dirpath)

@@ -118,7 +118,7 @@ def main() -> None:
 
     if resumed.global_rank != 0:
         return
-    from lightning_mcore_ckpt.cli import main as cli
+    from lightning_mcore_ckpt.cli.entry import main as cli
 
     losses = [float(x) for x in first.step_losses + second.step_losses]
     expected = [float(x) for x in reference.step_losses]

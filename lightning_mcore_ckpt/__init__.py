@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_ckpt._version import __version__
 
 if TYPE_CHECKING:
-    from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
     from lightning_mcore_ckpt.errors import ConfigurationError
     from lightning_mcore_ckpt.hf import HFExport
     from lightning_mcore_ckpt.resume_check import ResumeJob, ResumeReport, check_resume
-    from lightning_mcore_ckpt.sampler import ElasticSampler
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
     from lightning_mcore_ckpt.strategy import MegatronStrategy
+    from lightning_mcore_ckpt.training.sampler import ElasticSampler
 
 __all__ = [
     "CheckpointSaveError",
@@ -45,7 +45,7 @@ __all__ = [
 _LAZY = {
     "CheckpointSaveError": "lightning_mcore_ckpt.engine",
     "ConfigurationError": "lightning_mcore_ckpt.errors",
-    "ElasticSampler": "lightning_mcore_ckpt.sampler",
+    "ElasticSampler": "lightning_mcore_ckpt.training.sampler",
     "HFExport": "lightning_mcore_ckpt.hf",
     "MegatronCheckpoint": "lightning_mcore_ckpt.callback",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",
@@ -53,7 +53,7 @@ _LAZY = {
     "ResumeReport": "lightning_mcore_ckpt.resume_check",
     "SaveOptions": "lightning_mcore_ckpt.engine",
     "SaveRecord": "lightning_mcore_ckpt.engine",
-    "UnsafeCheckpointError": "lightning_mcore_ckpt._safe_load",
+    "UnsafeCheckpointError": "lightning_mcore_ckpt.safety.safe_load",
     "check_resume": "lightning_mcore_ckpt.resume_check",
 }
 

@@ -325,7 +325,7 @@ def check_readable(step: Any, subdirs: tuple[str, ...] = ("model", "optim")) -> 
         directory = step / sub
         if not (directory / ".metadata").is_file() or (directory / "common.pt").is_file():
             continue
-        from lightning_mcore_ckpt import layout
+        from lightning_mcore_ckpt.format import layout
 
         written = ((layout.read_metadata(step) or {}).get("versions") or {}).get("megatron_core")
         raise ValueError(

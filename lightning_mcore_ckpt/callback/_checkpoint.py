@@ -19,8 +19,6 @@ from weakref import proxy
 
 from typing_extensions import override
 
-from lightning_mcore_ckpt import layout, metrics
-from lightning_mcore_ckpt._lock import DirectoryLock
 from lightning_mcore_ckpt.callback import _bookkeeping, _loops
 from lightning_mcore_ckpt.callback._commit import Committer
 from lightning_mcore_ckpt.callback._config import CheckpointConfig
@@ -36,6 +34,8 @@ from lightning_mcore_ckpt.callback._setup import (
 )
 from lightning_mcore_ckpt.callback._state import CheckpointState
 from lightning_mcore_ckpt.callback._tier import StoreTier
+from lightning_mcore_ckpt.format import layout, metrics
+from lightning_mcore_ckpt.storage.lock import DirectoryLock
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
 if TYPE_CHECKING:
@@ -73,10 +73,10 @@ class MegatronCheckpoint(CheckpointState):
 
     What each save cost is logged to every attached Lightning logger at the step of the save
     (``checkpoint/blocking_time_s``, ``total_time_s``, ``write_time_s``, ``size_bytes``,
-    ``throughput_gbps``, ``hf_export_time_s``; see :mod:`lightning_mcore_ckpt.metrics`) and
+    ``throughput_gbps``, ``hf_export_time_s``; see :mod:`lightning_mcore_ckpt.format.metrics`) and
     recorded in the step's ``metadata.json``.
 
-    One run writes a ``dirpath`` at a time (:class:`~lightning_mcore_ckpt.layout.DirectoryLock`;
+    One run writes a ``dirpath`` at a time (:class:`~lightning_mcore_ckpt.format.layout.DirectoryLock`;
     a requeue of the same job takes over at once). On SIGTERM or SIGUSR1 every rank finishes
     the step, saves it and ``fit`` returns (then, under SLURM with Lightning's auto-requeue, the
     job is requeued); :attr:`preempted` says so on every rank, and

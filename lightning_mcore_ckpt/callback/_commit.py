@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.callback._export import export_into_committed, make_uploader
 from lightning_mcore_ckpt.callback._intent import Intent, decide, step_metadata
 from lightning_mcore_ckpt.callback._tier import retain
@@ -30,6 +29,7 @@ from lightning_mcore_ckpt.engine import (
     commit_step,
     cpu_group,
 )
+from lightning_mcore_ckpt.format import layout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -56,7 +56,7 @@ class Committer:
         on_committed: training thread, rank 0: a step was committed (its metadata).
         on_failed: every rank: a save, its commit or its export failed.
         check_lock: rank 0: raises ``RuntimeError`` once this run no longer holds the
-            directory's lock (:meth:`~lightning_mcore_ckpt.layout.DirectoryLock.check`); no
+            directory's lock (:meth:`~lightning_mcore_ckpt.format.layout.DirectoryLock.check`); no
             step is written, committed or deleted after that.
         tier: an object-store ``dirpath`` (``root`` is its local tier), or ``None``.
     """

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import _objects
-from lightning_mcore_ckpt._objects import ObjectStore
 from lightning_mcore_ckpt.errors import ConfigurationError
-from lightning_mcore_ckpt.replica import DURABILITY
+from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage.objects import ObjectStore
+from lightning_mcore_ckpt.storage.publication import DURABILITY
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.hf import HFExport

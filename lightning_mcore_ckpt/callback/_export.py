@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.engine import commit_step
+from lightning_mcore_ckpt.format import layout
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.hf import HFExport

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import layout, retention
 from lightning_mcore_ckpt.engine import SaveRecord, record_metadata
+from lightning_mcore_ckpt.format import layout, retention
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback._tier import StoreTier

@@ -125,7 +125,7 @@ def check_data_parallel_change(
             current_dp,
         )
         return
-    from lightning_mcore_ckpt.sampler import is_elastic_state
+    from lightning_mcore_ckpt.training.sampler import is_elastic_state
 
     if not all(is_elastic_state(s) for s in loader_states):
         raise ConfigurationError(
@@ -142,8 +142,8 @@ def on_load(
 ) -> tuple[int | None, int | None]:
     """At a resume: the step resumed from, and Lightning's stepped-batch counter to restore
     (``None`` when Lightning's own is right); refuses or drops unmappable loader state."""
-    from lightning_mcore_ckpt import layout
     from lightning_mcore_ckpt.engine import LOADED_FROM_KEY
+    from lightning_mcore_ckpt.format import layout
 
     source = checkpoint.get(LOADED_FROM_KEY) or {}
     fit = checkpoint.get("loops", {}).get("fit_loop") or {}

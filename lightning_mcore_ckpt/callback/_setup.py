@@ -6,10 +6,10 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import layout, metrics
-from lightning_mcore_ckpt._lock import DirectoryLock
-from lightning_mcore_ckpt._store_lock import StoreLock
 from lightning_mcore_ckpt.errors import ConfigurationError
+from lightning_mcore_ckpt.format import layout, metrics
+from lightning_mcore_ckpt.storage.lock import DirectoryLock
+from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,7 +30,7 @@ __all__ = [
 
 def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock | None:
     """Rank 0 creates ``root`` and, for ``fit``, takes its lock and starts its heartbeat
-    (:class:`~lightning_mcore_ckpt.layout.DirectoryLock`: a requeue of the same job takes over
+    (:class:`~lightning_mcore_ckpt.format.layout.DirectoryLock`: a requeue of the same job takes over
     at once). Collective: every rank raises the same error when the directory is in use by
     another run."""
     problem, lock = None, None

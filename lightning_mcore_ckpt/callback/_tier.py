@@ -2,7 +2,7 @@
 
 Each step is written and committed in the local tier as on any local ``dirpath`` (the writer,
 the hashes, ``metadata.json`` by rename), then published to the store by the commit thread
-(:func:`~lightning_mcore_ckpt.replica.publish_step`: every object, then the marker, then the
+(:func:`~lightning_mcore_ckpt.storage.publication.publish_step`: every object, then the marker, then the
 tracker). ``durability`` says when the step counts: ``"store"`` (its commit is reported once
 published; a failed upload fails the save and the local copy is removed, so "last" never names
 it) or ``"local"`` (reported at the local commit; the upload is a job of its own, whose failure
@@ -17,11 +17,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import layout, replica, retention
-from lightning_mcore_ckpt._objects import ObjectStore
-from lightning_mcore_ckpt._store_lock import StoreLock
 from lightning_mcore_ckpt.callback._config import CheckpointConfig
-from lightning_mcore_ckpt.layout import StepDir
+from lightning_mcore_ckpt.format import layout, retention
+from lightning_mcore_ckpt.format.layout import StepDir
+from lightning_mcore_ckpt.storage import publication as replica
+from lightning_mcore_ckpt.storage.objects import ObjectStore
+from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
 __all__ = ["StoreTier", "retain"]
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_mcore_ckpt import layout
 from lightning_mcore_ckpt.callback import _loops
 from lightning_mcore_ckpt.callback._preemption import PREEMPTED_EXIT_CODE, Preemption
 from lightning_mcore_ckpt.errors import ConfigurationError
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import integrity
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError
+from lightning_mcore_ckpt.format import integrity
 
 __all__ = [
     "agree_on_failure",

@@ -16,7 +16,7 @@ change between saves, yet every save would write them again. With dedup, our sha
 What a step references is recorded in its ``metadata.json`` (``files`` and ``hashes`` list each
 ``../shared/...`` file with its size and digest): the step stays self-describing, ``fsck``
 checks those files too, and retention deletes a shared file only once no step references it
-(:func:`lightning_mcore_ckpt.retention.collect_shared`). Reuse is decided per rank and per
+(:func:`lightning_mcore_ckpt.format.retention.collect_shared`). Reuse is decided per rank and per
 tensor from what this process saved or loaded before.
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt import integrity
-from lightning_mcore_ckpt.layout import SHARED_DIR
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.format.layout import SHARED_DIR
 
 __all__ = ["Dedup", "frozen_storages"]
 
@@ -173,7 +173,8 @@ class Dedup:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
         from torch.distributed.checkpoint.storage import WriteResult
 
-        from lightning_mcore_ckpt import _safe_dcp, layout
+        from lightning_mcore_ckpt.format import layout
+        from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 
         digests = (layout.read_metadata(step) or {}).get("hashes") or {}
         index = _safe_dcp.read_dcp_metadata(step / layout.MODEL_DIR)

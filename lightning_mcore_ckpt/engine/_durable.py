@@ -4,7 +4,7 @@ A power cut at any point leaves either no ``metadata.json`` (the step is incompl
 never names it) or a step whose every file and directory entry survived: each file is fsynced,
 then each directory (deepest first, then the step's own entry in the run directory), and only
 then is ``metadata.json`` written (durably and atomically), listing every file and its size so
-that a later check (:func:`lightning_mcore_ckpt.layout.verify_step`) finds any that went
+that a later check (:func:`lightning_mcore_ckpt.format.layout.verify_step`) finds any that went
 missing or short.
 """
 
@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import _atomic, _compat, integrity, layout, metrics
+from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, distributed
 from lightning_mcore_ckpt.engine._records import CheckpointSaveError, SaveRecord
-from lightning_mcore_ckpt.layout import METADATA_FILE
+from lightning_mcore_ckpt.format import integrity, layout, metrics
+from lightning_mcore_ckpt.format.layout import METADATA_FILE
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = ["commit_step", "commit_unowned", "record_metadata"]
 
@@ -35,7 +37,7 @@ def commit_step(
 
     ``metadata`` gets ``files`` (every file's size, by path relative to the step),
     ``hashes`` (each file's digest: ``metadata["hashes"]``, hashed while written, completed by
-    :func:`lightning_mcore_ckpt.integrity.complete`), ``size_bytes``, ``throughput_gbps``
+    :func:`lightning_mcore_ckpt.format.integrity.complete`), ``size_bytes``, ``throughput_gbps``
     and, when ``started`` (a ``time.perf_counter()`` value)
     is given, ``total_time_s``. Returns the metadata as written. Call it on one rank, off the
     training thread: it walks and fsyncs the whole step.

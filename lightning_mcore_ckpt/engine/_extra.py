@@ -10,10 +10,12 @@ from typing import IO, Any, cast
 
 import torch
 
-from lightning_mcore_ckpt import _atomic, _safe_load, integrity
-from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine._state_dicts import TrainingState, stateless_params
-from lightning_mcore_ckpt.layout import EXTRA_FORMAT_VERSION
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.format.layout import EXTRA_FORMAT_VERSION
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.storage import atomic as _atomic
+from lightning_mcore_ckpt.training.rng import RNGState
 
 __all__ = ["RefusalWarnings", "write_extra"]
 

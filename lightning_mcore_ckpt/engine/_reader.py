@@ -6,18 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import (
-    _compat,
-    _cpu,
-    _objects,
-    _optim,
-    _parallel,
-    _safe_dcp,
-    _safe_load,
-    layout,
-    replica,
-)
-from lightning_mcore_ckpt._rng import RNGState
+from lightning_mcore_ckpt import _compat, _cpu
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
 from lightning_mcore_ckpt.engine._reading import load_strategy, views_readable
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
@@ -29,7 +18,15 @@ from lightning_mcore_ckpt.engine._state_dicts import (
     optimizer_sharded_state_dict,
     to_module_keys,
 )
-from lightning_mcore_ckpt.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import publication as replica
+from lightning_mcore_ckpt.training import optim as _optim
+from lightning_mcore_ckpt.training import parallel as _parallel
+from lightning_mcore_ckpt.training.rng import RNGState
 
 __all__ = ["CheckpointReader", "holds_weights_only"]
 

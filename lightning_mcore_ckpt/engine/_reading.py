@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 
-from lightning_mcore_ckpt import _objects
+from lightning_mcore_ckpt.storage import objects as _objects
 
 __all__ = ["ParallelFileSystemReader", "load_strategy", "views_readable"]
 

@@ -78,7 +78,7 @@ class SaveRecord:
     ``None``: unbounded, every tensor at once)."""
     hashes: dict[str, str] = field(default_factory=dict)
     """On rank 0 (the rank that commits): the digest of every file the ranks hashed while
-    writing it, by path relative to the step (see :mod:`lightning_mcore_ckpt.integrity`);
+    writing it, by path relative to the step (see :mod:`lightning_mcore_ckpt.format.integrity`);
     empty on the other ranks."""
 
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt import _compat, layout
+from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors
 from lightning_mcore_ckpt.engine._records import SaveOptions
 from lightning_mcore_ckpt.engine._shards import BackgroundWrites
-from lightning_mcore_ckpt.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 
 __all__ = [
     "PendingSave",

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import integrity
 from lightning_mcore_ckpt.engine._dedup import Dedup
 from lightning_mcore_ckpt.engine._staging import (
     BoundedStaging,
@@ -50,7 +49,8 @@ from lightning_mcore_ckpt.engine._staging import (
     StagingSession,
     WriteAborted,
 )
-from lightning_mcore_ckpt.layout import SHARED_DIR
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.format.layout import SHARED_DIR
 
 __all__ = [
     "BackgroundWrites",

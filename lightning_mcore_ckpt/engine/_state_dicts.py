@@ -10,7 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_ckpt import _cpu, _optim, _safe_load
+from lightning_mcore_ckpt import _cpu
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.training import optim as _optim
 
 __all__ = [
     "TrainingState",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_mcore_ckpt import _compat, _safe_load, integrity, retention
+from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine import _collectives
 from lightning_mcore_ckpt.engine._agreeing import save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
@@ -44,7 +44,9 @@ from lightning_mcore_ckpt.engine._state_dicts import (
     optimizers_to_save,
     refused_objects,
 )
-from lightning_mcore_ckpt.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.format import integrity, retention
+from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
 
 __all__ = ["CheckpointWriter"]
 

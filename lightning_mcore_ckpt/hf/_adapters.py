@@ -2,7 +2,7 @@
 
 Adapters are found by name (``<layer>.adapter.linear_in.weight``: ``A`` ``[rank, in]``,
 ``<layer>.adapter.linear_out.weight``: ``B`` ``[out, rank]``, ``<layer>.adapter.alpha``; see
-:mod:`lightning_mcore_ckpt.adapters`). Merging adds ``alpha / rank * B @ A`` to the layer's weight
+:mod:`lightning_mcore_ckpt.training.adapters`). Merging adds ``alpha / rank * B @ A`` to the layer's weight
 in Megatron-Core's layout (fused QKV, gate/up), one layer at a time, before mbridge splits it.
 The PEFT layout needs ``A`` and ``B`` per Hugging Face module: the rows and columns each Hugging
 Face tensor takes from the fused Megatron-Core weight are found by converting index tensors with

@@ -2,7 +2,7 @@
 
 :func:`export_checkpoint` reads the dist-checkpoint on disk slice by slice, so no process ever
 holds the whole model, and needs no process group. The directory is staged and renamed into
-place (:func:`lightning_mcore_ckpt._atomic.staged_directory`): it appears complete or not at
+place (:func:`lightning_mcore_ckpt.storage.atomic.staged_directory`): it appears complete or not at
 all. :class:`HFExport` is the callback's setting for when to export.
 """
 
@@ -22,12 +22,13 @@ import torch
 
 import lightning_mcore_ckpt.hf._adapters as _adapters
 import lightning_mcore_ckpt.hf._heads as _heads
-from lightning_mcore_ckpt import _atomic, layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, ExportPlan, plan_export
 from lightning_mcore_ckpt.hf._reader import CheckpointReader, module_prefix
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SafetensorsWriter, write_index
 from lightning_mcore_ckpt.hf._upload import check_upload_options
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = ["HF_DIR", "WHEN", "HFExport", "export_checkpoint", "is_exported"]
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt import _atomic, _parallel, layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._export import refuse_replacing_inputs
 from lightning_mcore_ckpt.hf._load import load_hf_weights
+from lightning_mcore_ckpt.storage import atomic as _atomic
+from lightning_mcore_ckpt.training import parallel as _parallel
 
 __all__ = ["import_checkpoint"]
 

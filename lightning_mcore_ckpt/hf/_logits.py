@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 import lightning_mcore_ckpt.hf._heads as _heads
-from lightning_mcore_ckpt import _cpu, layout
+from lightning_mcore_ckpt import _cpu
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._reader import CheckpointReader, module_prefix
 
@@ -166,7 +167,7 @@ def _attach_adapters(model: Any, reader: CheckpointReader, prefix: str, step: Pa
     found = find_adapters(reader, prefix, step, None)
     if not found:
         return
-    from lightning_mcore_ckpt.adapters import add_lora
+    from lightning_mcore_ckpt.training.adapters import add_lora
 
     targets = sorted({lora.name.split(".")[-2] for lora in found.values()})
     ranks = {lora.a.shape[0] for lora in found.values()}

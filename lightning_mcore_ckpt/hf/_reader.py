@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_mcore_ckpt import _objects, _safe_dcp, _safe_load
 from lightning_mcore_ckpt.hf._names import (
     EMBEDDING,
     EXPERTS,
@@ -25,6 +24,9 @@ from lightning_mcore_ckpt.hf._names import (
     expert_name,
     hybrid_layer_pattern,
 )
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.storage import objects as _objects
 
 __all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
 

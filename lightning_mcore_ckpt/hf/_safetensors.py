@@ -6,7 +6,7 @@
 - :class:`HFReader`: named tensors read lazily from a directory's files.
 - :func:`safetensors_files`: which tensors each file holds.
 
-Imports nothing from the package but :mod:`lightning_mcore_ckpt._atomic`.
+Imports nothing from the package but :mod:`lightning_mcore_ckpt.storage.atomic`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt import _atomic
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = [
     "INDEX",

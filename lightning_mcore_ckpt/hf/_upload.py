@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format.integrity import check_hashes
 from lightning_mcore_ckpt.hf._verify import verify_export
-from lightning_mcore_ckpt.integrity import check_hashes
 
 __all__ = ["HubUploader", "UploadError", "UploadResult", "check_upload_options", "upload_export"]
 

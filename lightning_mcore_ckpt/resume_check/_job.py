@@ -98,7 +98,7 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     import yaml
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_mcore_ckpt import _atomic
+    from lightning_mcore_ckpt.storage import atomic as _atomic
 
     data = _load_yaml(source["text"], source["config"])
     data.pop("ckpt_path", None)  # the check chooses where each run starts

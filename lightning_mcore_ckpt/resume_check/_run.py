@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt._launch import DistributedFailure
+from lightning_mcore_ckpt.launch.local import DistributedFailure
 from lightning_mcore_ckpt.resume_check._compare import (
     Divergence,
     compare_finals,
@@ -222,7 +222,7 @@ def _launch(
     timeout: float,
 ) -> DistributedFailure | None:
     """Run the job; what stopped it when it failed to run (``None``: it ran)."""
-    from lightning_mcore_ckpt._launch import run_distributed
+    from lightning_mcore_ckpt.launch.local import run_distributed
 
     args = (source, str(run_dir), str(ckpt_dir), max_steps, ckpt_path, how, stop_at)
     try:

@@ -16,7 +16,7 @@ from lightning_mcore_ckpt.engine import (
     SaveOptions,
     SaveRecord,
 )
-from lightning_mcore_ckpt.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.strategy._config import StrategyConfig
 from lightning_mcore_ckpt.strategy._strategy import MegatronStrategy
 

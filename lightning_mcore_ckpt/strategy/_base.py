@@ -21,9 +21,10 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _cpu, _parallel
+from lightning_mcore_ckpt import _cpu
 from lightning_mcore_ckpt.strategy import _grads
 from lightning_mcore_ckpt.strategy._config import StrategyConfig
+from lightning_mcore_ckpt.training import parallel as _parallel
 
 __all__ = ["MegatronParallelBase"]
 

@@ -11,7 +11,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_mcore_ckpt.errors import ConfigurationError
-from lightning_mcore_ckpt.layout import MODEL_DIR
+from lightning_mcore_ckpt.format.layout import MODEL_DIR
 
 __all__ = ["OPTIMIZER_SHARDINGS", "WRITERS", "StrategyConfig"]
 

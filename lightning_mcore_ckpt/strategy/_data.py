@@ -50,7 +50,7 @@ def elastic_dataloader(dataloader: Any) -> Any:
         return dataloader
     from lightning.pytorch.utilities.data import _update_dataloader
 
-    from lightning_mcore_ckpt.sampler import ElasticSampler
+    from lightning_mcore_ckpt.training.sampler import ElasticSampler
 
     elastic = ElasticSampler(
         dataloader.dataset,

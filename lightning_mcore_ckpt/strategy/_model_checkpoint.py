@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import retention
 from lightning_mcore_ckpt.errors import ConfigurationError
+from lightning_mcore_ckpt.format import retention
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -16,8 +16,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_mcore_ckpt import _safe_load, layout
-from lightning_mcore_ckpt._rng import RNGState
 from lightning_mcore_ckpt.engine import (
     CheckpointReader,
     CheckpointWriter,
@@ -28,11 +26,14 @@ from lightning_mcore_ckpt.engine import (
     holds_weights_only,
     module_sharded_state_dict,
 )
-from lightning_mcore_ckpt.layout import EXTRA_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format.layout import EXTRA_DIR, OPTIM_DIR
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.strategy import _model_checkpoint as model_checkpoint
 from lightning_mcore_ckpt.strategy._config import StrategyConfig
 from lightning_mcore_ckpt.strategy._data import elastic_dataloader
 from lightning_mcore_ckpt.strategy._training import MegatronTrainingBase
+from lightning_mcore_ckpt.training.rng import RNGState
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

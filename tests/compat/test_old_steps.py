@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt import _compat, layout
+from lightning_mcore_ckpt import _compat
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(400)

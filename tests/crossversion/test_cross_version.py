@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.resume_check._run import _read_run
 
 HERE = Path(__file__).resolve().parent

@@ -27,7 +27,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
     if "--logits" in args and torch.cuda.is_available():
         return installed_cli(*args)
-    from lightning_mcore_ckpt.cli import main
+    from lightning_mcore_ckpt.cli.entry import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -182,7 +182,8 @@ def _legacy_keyed_class() -> type:
 def _recording_logger_class() -> type:
     from lightning.pytorch.loggers import Logger
 
-    from lightning_mcore_ckpt import MegatronCheckpoint, layout
+    from lightning_mcore_ckpt import MegatronCheckpoint
+    from lightning_mcore_ckpt.format import layout
 
     class RecordingLogger(Logger):  # type: ignore[misc]
         """Records every ``after_save_checkpoint`` call and what was on disk at that moment."""
@@ -255,7 +256,8 @@ def fit(
     import lightning.pytorch as pl
     from _trainer import gathered_weights, loader, make_trainer
 
-    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy, layout
+    from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.format import layout
 
     if chdir is not None:
         os.chdir(chdir)
@@ -457,7 +459,7 @@ def reference_fit(
 def run_pairs(rank: int, world_size: int, specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each spec run twice: ``"ours"`` (:func:`fit`, in ``<dirpath>``) and ``"lightning"``
     (:func:`reference_fit`, in ``<dirpath>-lightning``), with their bookkeeping by step."""
-    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt.format import layout
 
     results = {}
     for name, spec in specs.items():

@@ -213,7 +213,7 @@ def saved_weights_are_the_snapshot(root: str, before: dict[str, torch.Tensor]) -
     import torch.distributed.checkpoint as dcp
 
     step = Path(root, "ckpt", f"global_step_{SAVE_AT}")
-    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt.format import layout
 
     assert layout.verify_step(step) == [], step
     saved = {key: torch.empty_like(tensor) for key, tensor in before.items()}

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt.cli import main as cli_main
-from lightning_mcore_ckpt.report import human_bytes
+from lightning_mcore_ckpt.cli.entry import main as cli_main
+from lightning_mcore_ckpt.cli.report import human_bytes
 from lightning_mcore_ckpt.testing import (
     read_wandb_history,
     read_wandb_metric_definitions,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

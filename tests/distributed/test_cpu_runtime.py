@@ -24,9 +24,9 @@ def _tokens(seed: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor, torc
 def _train_tp2_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
-    from lightning_mcore_ckpt import _parallel
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import tiny_gpt
+    from lightning_mcore_ckpt.training import parallel as _parallel
 
     _parallel.initialize(tensor_model_parallel_size=2, seed=1234, device_type="cpu")
     model = tiny_gpt(hidden_dropout=0.2, attention_dropout=0.2)
@@ -54,9 +54,9 @@ def _train_tp2_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict[str, 
 def _load_tp1(rank: int, world_size: int, ckpt_dir: str) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
-    from lightning_mcore_ckpt import _parallel
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import tiny_gpt
+    from lightning_mcore_ckpt.training import parallel as _parallel
 
     _parallel.initialize(tensor_model_parallel_size=1, seed=999, device_type="cpu")
     model = tiny_gpt()

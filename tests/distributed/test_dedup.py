@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt import fsck, layout
-from lightning_mcore_ckpt._safe_dcp import read_dcp_metadata
+from lightning_mcore_ckpt.cli import fsck
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.safety.safe_dcp import read_dcp_metadata
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -122,7 +123,7 @@ def test_a_frozen_weight_changed_through_data_is_written_again(tmp_path: Path) -
         if where.fqn == "gpt.embedding.word_embeddings.weight"
     }
     assert files and all("global_step_4-model-" in f for f in files), files
-    from lightning_mcore_ckpt import diff
+    from lightning_mcore_ckpt.cli import diff
 
     changed = {t.key for t in diff.diff_steps(run / "global_step_2", step4).differing}
     assert "gpt.embedding.word_embeddings.weight" in changed
@@ -164,7 +165,7 @@ def test_a_resume_into_another_layout_writes_its_own_pieces(tmp_path: Path) -> N
     assert split and all("global_step_6-model-" in p for p in split), split
     assert resumed["reused"] < 64 * 1024  # at most the layer norms
     assert layout.verify_step(step6, deep=True) == []
-    from lightning_mcore_ckpt import diff
+    from lightning_mcore_ckpt.cli import diff
 
     changed = {t.key for t in diff.diff_steps(run / "global_step_4", step6).differing}
     assert changed == {TRAINABLE}  # the frozen base reads back the same in both layouts

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt import cli, diff
+from lightning_mcore_ckpt.cli import diff
+from lightning_mcore_ckpt.cli import entry as cli
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)

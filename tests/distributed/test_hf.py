@@ -13,7 +13,7 @@ import pytest
 import torch
 from _cli import installed_cli, run_cli
 
-from lightning_mcore_ckpt.cli import main as cli_main
+from lightning_mcore_ckpt.cli.entry import main as cli_main
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -225,7 +225,7 @@ def test_export_at_end_happens_once_across_a_crash_and_resumes(tmp_path: Path) -
     assert exported() == ["global_step_5"]
     meta = json.loads((ckpt / "global_step_5" / "metadata.json").read_text())
     assert "hf_model" in meta["contents"] and meta["hf_export_time_s"] > 0
-    from lightning_mcore_ckpt.metrics import tree_bytes
+    from lightning_mcore_ckpt.format.metrics import tree_bytes
 
     assert meta["size_bytes"] == tree_bytes(ckpt / "global_step_5")
     stamp = (ckpt / "global_step_5" / "huggingface" / "model.safetensors").stat().st_mtime_ns

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mcore_ckpt import _compat, cli, hf
+from lightning_mcore_ckpt import _compat, hf
+from lightning_mcore_ckpt.cli import entry as cli
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

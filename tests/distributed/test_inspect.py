@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt import cli, layout
+from lightning_mcore_ckpt.cli import entry as cli
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

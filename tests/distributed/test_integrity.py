@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt import fsck, integrity, layout
+from lightning_mcore_ckpt.cli import fsck
+from lightning_mcore_ckpt.format import integrity, layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -115,7 +116,7 @@ def test_a_flipped_byte_in_any_file_is_found_by_the_deep_check_and_last_falls_ba
         assert [s.path.name for s in found.damaged] == ["global_step_4"], name
         assert any(str(file) in p for p in found.damaged[0].problems), (name, found.damaged)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.layout"):
+        with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.format.layout"):
             assert layout.resolve_last(run, deep=True) == run / "global_step_2"
         assert str(file) in caplog.text and "skipping damaged" in caplog.text
         shutil.rmtree(run)
@@ -164,7 +165,7 @@ def test_a_resume_asking_for_hashes_skips_a_silently_damaged_step(
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     # Inside a tensor's bytes (the middle of the largest record): it loads, but wrong.
-    from lightning_mcore_ckpt._safe_dcp import read_dcp_metadata
+    from lightning_mcore_ckpt.safety.safe_dcp import read_dcp_metadata
 
     optim = run / "global_step_4" / "optim"
     largest = max(read_dcp_metadata(optim).storage_data.values(), key=lambda i: i.length)

@@ -57,7 +57,7 @@ def report(rank, world_size):
 
     import torch
 
-    server = sys.modules.get("lightning_mcore_ckpt._forkserver")
+    server = sys.modules.get("lightning_mcore_ckpt.launch.forkserver")
     import gc
 
     meant = list(getattr(server, "_MODULES", ()))
@@ -109,7 +109,7 @@ MAIN = """
 import json
 import sys
 
-from lightning_mcore_ckpt import _launch
+from lightning_mcore_ckpt.launch import local as _launch
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 import cuda_spy
@@ -189,7 +189,7 @@ def test_a_rank_whose_forkserver_was_made_to_initialise_cuda_says_what_did(
     # torch's own refusal, then why: a module preloaded after ours asked CUDA in the server.
     assert "Cannot re-initialize CUDA in forked subprocess" in failure
     assert "another module preloaded into it" in failure
-    assert "lightning_mcore_ckpt._forkserver" in failure
+    assert "lightning_mcore_ckpt.launch.forkserver" in failure
 
 
 def test_a_cuda_call_while_the_libraries_are_imported_is_asked_elsewhere_or_recorded(
@@ -197,7 +197,7 @@ def test_a_cuda_call_while_the_libraries_are_imported_is_asked_elsewhere_or_reco
 ) -> None:
     import torch
 
-    from lightning_mcore_ckpt import _forkserver
+    from lightning_mcore_ckpt.launch import forkserver as _forkserver
 
     asked_by = tmp_path / "asked_by"
 

@@ -42,7 +42,7 @@ from _parity import (  # tests/distributed, on the path (conftest)
     run_specs,
 )
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

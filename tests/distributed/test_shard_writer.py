@@ -30,7 +30,8 @@ def _saves_across_a_run(rank: int, world_size: int, root: str, async_save: bool)
     import lightning.pytorch as pl
     from _trainer import loader, make_trainer
 
-    from lightning_mcore_ckpt import MegatronStrategy, layout
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     seen: list[dict[str, Any]] = []
@@ -199,7 +200,8 @@ def _failure_in_the_middle(rank: int, world_size: int, root: str) -> dict[str, A
     from _trainer import loader, make_trainer
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions, layout
+    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
+    from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     stock = filesystem_async._write_item
@@ -232,7 +234,7 @@ def _failure_in_the_middle(rank: int, world_size: int, root: str) -> dict[str, A
     trainer = make_trainer(STEPS, strategy, world_size, callbacks=[SaveEveryStep()])
     trainer.fit(TinyGPTModule(), train_dataloaders=loader(32, 2))
     steps = sorted(s.path.name for s in layout.complete_steps(Path(root)))
-    from lightning_mcore_ckpt import integrity
+    from lightning_mcore_ckpt.format import integrity
 
     return {
         "errors": errors,

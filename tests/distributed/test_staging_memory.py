@@ -39,7 +39,8 @@ def _measure(rank: int, world_size: int, root: str, cap: int | None, threads: in
     from _staging import PeakRSS
     from _trainer import loader, make_trainer
 
-    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions, layout
+    from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
+    from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.tiny import TinyGPTModule, tiny_gpt
 
     class Wider(TinyGPTModule):  # type: ignore[misc]

@@ -61,9 +61,9 @@ def _async_save_during_training(
 def _load_weights(rank: int, world_size: int, step_dir: str) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
-    from lightning_mcore_ckpt import _parallel
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import tiny_gpt
+    from lightning_mcore_ckpt.training import parallel as _parallel
 
     _parallel.initialize(tensor_model_parallel_size=1, device_type="cpu")
     module = torch.nn.Module()

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.matrix, pytest.mark.timeout(600)]
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lightning_mcore_ckpt.cli", "check-resume", *args],
+        [sys.executable, "-m", "lightning_mcore_ckpt.cli.entry", "check-resume", *args],
         capture_output=True,
         text=True,
         timeout=580,

@@ -27,8 +27,8 @@ def _train(rank: int, world_size: int, tmp: str, tp: int) -> dict[str, Any]:
     from _trainer import loader, make_trainer
 
     from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
-    from lightning_mcore_ckpt.adapters import add_lora
     from lightning_mcore_ckpt.tiny import HFGPTModule
+    from lightning_mcore_ckpt.training.adapters import add_lora
 
     class LoRAModule(HFGPTModule):  # type: ignore[misc]
         def configure_model(self) -> None:
@@ -205,7 +205,7 @@ def test_dedup_writes_the_frozen_base_once(runs: Any) -> None:
 
 def test_bad_adapter_exports_are_refused_before_writing(runs: Any, tmp_path: Path) -> None:
     from lightning_mcore_ckpt import HFExport
-    from lightning_mcore_ckpt.cli import main as cli_main
+    from lightning_mcore_ckpt.cli.entry import main as cli_main
     from lightning_mcore_ckpt.hf import export_checkpoint
 
     tmp, _ = runs

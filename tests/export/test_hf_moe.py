@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt.cli import main as cli_main
+from lightning_mcore_ckpt.cli.entry import main as cli_main
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(400)

@@ -27,7 +27,8 @@ def _train(rank: int, world_size: int, tmp: str, case: str) -> dict[str, Any]:
     from huggingface_hub import HfApi
     from lightning.pytorch.loggers.logger import Logger
 
-    from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy, layout
+    from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.hf import _upload
     from lightning_mcore_ckpt.tiny import HFGPTModule
 
@@ -168,7 +169,8 @@ def test_every_save_uploads_in_the_background_while_training_goes_on(tmp_path: P
 def test_a_permanent_upload_failure_is_reported_on_every_rank_and_the_step_stays(
     tmp_path: Path,
 ) -> None:
-    from lightning_mcore_ckpt import hf, layout
+    from lightning_mcore_ckpt import hf
+    from lightning_mcore_ckpt.format import layout
 
     zero, one = _run(tmp_path, "fails")
     names = [n for n, *_ in zero["calls"]]

@@ -87,7 +87,7 @@ def relist(step: Path) -> None:
     signatures."""
     import json
 
-    from lightning_mcore_ckpt import integrity, layout
+    from lightning_mcore_ckpt.format import integrity, layout
 
     meta = json.loads((step / layout.METADATA_FILE).read_text())
     files = [

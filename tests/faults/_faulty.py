@@ -132,8 +132,9 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from lightning_mcore_ckpt import _atomic, layout
     from lightning_mcore_ckpt.engine import CheckpointWriter
+    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.storage import atomic as _atomic
 
     if point in ("model_shards", "optim_shards"):
         sub = "model/" if point == "model_shards" else "optim/"
@@ -424,7 +425,7 @@ def take_lock_as_a_requeue(root: Path) -> None:
     """Once a step is committed, a requeue of job 4242 on another node takes the lock over."""
     from _locks import write_lock
 
-    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt.format import layout
 
     deadline = time.monotonic() + 60
     while layout.read_tracker(root) is None and time.monotonic() < deadline:
@@ -460,7 +461,7 @@ def same_run(resumed: dict[str, Any], reference: dict[str, Any], start: int) -> 
 
 def listing(tmp: str | Path) -> list[str]:
     """What is in the checkpoint directory, marked: complete steps plain, others with '?'."""
-    from lightning_mcore_ckpt import layout
+    from lightning_mcore_ckpt.format import layout
 
     root = Path(tmp, "ckpt")
     out = []

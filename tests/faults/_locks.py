@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 
 OTHER_HOST = "another-node"
 

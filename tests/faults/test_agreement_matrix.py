@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from _faulty import FAULT_STEP, MAX_STEPS, events, listing, run_cases
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(900)

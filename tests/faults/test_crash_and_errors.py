@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from _faulty import FAULT_STEP, MAX_STEPS, listing, same_run, train
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from _faulty import MAX_STEPS, listing, train
 
-from lightning_mcore_ckpt import layout, retention
+from lightning_mcore_ckpt.format import layout, retention
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,7 +99,7 @@ def test_a_damaged_step_is_named_and_last_takes_the_previous_one(
     damage(step6)
     problems = layout.verify_step(step6)
     assert any(says in p for p in problems), problems
-    with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.layout"):
+    with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.format.layout"):
         assert layout.resolve_last(root) == layout.step_dir(root, 4)
     assert f"skipping damaged {step6}" in caplog.text and says in caplog.text
     with pytest.raises(FileNotFoundError) as err:
@@ -114,7 +114,7 @@ def test_corrupt_metadata_or_garbage_tracker_fall_back_to_the_scan(
 ) -> None:
     root = copy / "ckpt"
     (root / layout.TRACKER_FILE).write_text("garbage\x00\n")
-    with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.layout"):
+    with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.format.layout"):
         assert layout.resolve_last(root) == layout.step_dir(root, 6)
     assert "is unreadable; newest complete step by scan: global_step_6" in caplog.text
     (layout.step_dir(root, 6) / layout.METADATA_FILE).write_text('{"global_step": 6, ')

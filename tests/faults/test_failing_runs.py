@@ -27,7 +27,7 @@ import pytest
 import torch
 from _faulty import FAULT_STEP, listing, run, train
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -106,8 +106,8 @@ def _fail_while_committing(
     :func:`_fit_failing_while_committing`), in the same processes."""
     import errno
 
-    from lightning_mcore_ckpt import _atomic
     from lightning_mcore_ckpt.callback._commit import Committer
+    from lightning_mcore_ckpt.storage import atomic as _atomic
 
     commit, write_text = Committer._commit, _atomic.write_text
     failing: list[bool] = [False]

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from _locks import OTHER_HOST, race, write_lock
 
-from lightning_mcore_ckpt import layout
-from lightning_mcore_ckpt._lock import JOB_ID_ENV, job_identity
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.storage.lock import JOB_ID_ENV, job_identity
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 from _faulty import FAULT_STEP, events, listing, same_run, train
 
-from lightning_mcore_ckpt import MegatronCheckpoint, layout
+from lightning_mcore_ckpt import MegatronCheckpoint
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

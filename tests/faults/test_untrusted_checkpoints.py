@@ -79,7 +79,7 @@ def _crafted_extra_file(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
     from _crafted import globals_in, relist, touching
 
-    from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
 
     step, marker = Path(tmp, f"global_step_{STEPS}"), Path(tmp, "ran")
     _fit(world_size, tmp)
@@ -142,7 +142,7 @@ def test_a_crafted_extra_file_is_refused_on_every_rank_and_runs_nothing(tmp_path
 def _crafted_optimizer_state(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from _crafted import touching
 
-    from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     step, marker = Path(tmp, f"global_step_{STEPS}"), Path(tmp, "ran")
@@ -186,7 +186,7 @@ def test_a_crafted_object_in_the_optimizer_state_warns_at_save_and_is_refused(
 def _user_type_in_hparams(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import torch
 
-    from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     step = str(Path(tmp, f"global_step_{STEPS}"))

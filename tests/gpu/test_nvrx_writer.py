@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt import _compat, check_resume, layout
+from lightning_mcore_ckpt import _compat, check_resume
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.resume_check import ResumeJob
 
 

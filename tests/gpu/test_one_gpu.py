@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt import check_resume, layout
+from lightning_mcore_ckpt import check_resume
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = [

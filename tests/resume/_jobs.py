@@ -112,7 +112,7 @@ MODELS = {"gpt": JobModule, "hybrid": HybridJobModule}
 
 def _strategy_class(broken: str) -> Any:
     from lightning_mcore_ckpt import MegatronStrategy
-    from lightning_mcore_ckpt._optim import init_state
+    from lightning_mcore_ckpt.training.optim import init_state
 
     class BrokenRestore(MegatronStrategy):
         """Restores a checkpoint with one piece deliberately left out."""

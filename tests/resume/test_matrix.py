@@ -18,8 +18,10 @@ import _jobs
 import pytest
 from _pairwise import excluded_pairs_met, uncovered
 
-from lightning_mcore_ckpt import _safe_dcp, check_resume, layout
+from lightning_mcore_ckpt import check_resume
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._names import hybrid_layer_pattern
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.testing import DistributedFailure
 
 AXES: dict[str, list[Any]] = {

@@ -16,7 +16,7 @@ pytest.importorskip("boto3")
 
 
 def _store(bucket: str, prefix: str = "run", **options: Any) -> Any:
-    from lightning_mcore_ckpt._objects import ObjectStore
+    from lightning_mcore_ckpt.storage.objects import ObjectStore
 
     return ObjectStore.from_url(f"s3://{bucket}/{prefix}", **options)
 
@@ -24,7 +24,7 @@ def _store(bucket: str, prefix: str = "run", **options: Any) -> Any:
 def test_large_files_go_up_in_parts_and_come_back_by_range(
     s3_bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
-    from lightning_mcore_ckpt import _objects
+    from lightning_mcore_ckpt.storage import objects as _objects
 
     data = os.urandom(12 << 20)
     (tmp_path / "shard.distcp").write_bytes(data)
@@ -48,7 +48,7 @@ def test_large_files_go_up_in_parts_and_come_back_by_range(
 
 
 def test_conditional_writes_and_missing_objects(s3_bucket: str) -> None:
-    from lightning_mcore_ckpt import _objects
+    from lightning_mcore_ckpt.storage import objects as _objects
 
     store = _store(s3_bucket)
     etag = store.put_bytes("lock", b"a", if_none_match=True)
@@ -78,7 +78,8 @@ def _committed_step(root: Path, step: int) -> Path:
 def test_a_step_is_published_objects_first_then_its_marker_then_the_tracker(
     s3_bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
-    from lightning_mcore_ckpt import layout, replica
+    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.storage import publication as replica
 
     store = _store(s3_bucket)
     step = _committed_step(tmp_path, 3)

@@ -295,7 +295,9 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
 ) -> None:
     from _cli import run_cli
 
-    from lightning_mcore_ckpt import _objects, layout, replica
+    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.storage import objects as _objects
+    from lightning_mcore_ckpt.storage import publication as replica
 
     url = f"s3://{s3_bucket}/run"
     run_distributed(_fit, 2, str(hf_source), url, 4, None, {}, timeout=300, env=s3_server.env())
@@ -342,8 +344,8 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
 
 
 def test_one_writer_per_store_prefix(s3_server: Any, s3_bucket: str, hf_source: Path) -> None:
-    from lightning_mcore_ckpt._objects import ObjectStore
-    from lightning_mcore_ckpt._store_lock import StoreLock
+    from lightning_mcore_ckpt.storage.objects import ObjectStore
+    from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
     url = f"s3://{s3_bucket}/run"
     store = ObjectStore.from_url(url)

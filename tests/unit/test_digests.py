@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_mcore_ckpt import integrity
+from lightning_mcore_ckpt.format import integrity
 
 
 def test_hashing_writer_gives_the_digest_of_the_file_it_wrote(tmp_path: Path) -> None:

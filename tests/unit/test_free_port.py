@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
-from lightning_mcore_ckpt import _launch
+from lightning_mcore_ckpt.launch import local as _launch
 from lightning_mcore_ckpt.testing import find_free_port
 
 

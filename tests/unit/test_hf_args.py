@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_mcore_ckpt.cli import main as cli_main
+from lightning_mcore_ckpt.cli.entry import main as cli_main
 
 
 @contextlib.contextmanager

@@ -27,17 +27,17 @@ ORDER = [
 ]
 """Each module may import only modules before it."""
 ALLOWED = {
-    "lightning_mcore_ckpt._atomic",
+    "lightning_mcore_ckpt.storage.atomic",
     "lightning_mcore_ckpt._compat",
     "lightning_mcore_ckpt._cpu",
-    "lightning_mcore_ckpt._objects",
-    "lightning_mcore_ckpt._parallel",
-    "lightning_mcore_ckpt._safe_dcp",
-    "lightning_mcore_ckpt._safe_load",
-    "lightning_mcore_ckpt.adapters",
+    "lightning_mcore_ckpt.storage.objects",
+    "lightning_mcore_ckpt.training.parallel",
+    "lightning_mcore_ckpt.safety.safe_dcp",
+    "lightning_mcore_ckpt.safety.safe_load",
+    "lightning_mcore_ckpt.training.adapters",
     "lightning_mcore_ckpt.errors",
-    "lightning_mcore_ckpt.integrity",
-    "lightning_mcore_ckpt.layout",
+    "lightning_mcore_ckpt.format.integrity",
+    "lightning_mcore_ckpt.format.layout",
 }
 PUBLIC = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -65,6 +65,11 @@ PUBLIC = [
 ]
 
 
+def _is_module(name: str) -> bool:
+    path = Path(lightning_mcore_ckpt.__file__).parent.joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _package_imports(path: Path) -> set[str]:
     """Every ``lightning_mcore_ckpt`` module ``path`` imports, at any depth of its code."""
     found = set()
@@ -75,10 +80,12 @@ def _package_imports(path: Path) -> set[str]:
             "lightning_mcore_ckpt"
         ):
             assert node.module is not None
-            if node.module == "lightning_mcore_ckpt":
-                found |= {f"lightning_mcore_ckpt.{a.name}" for a in node.names}
-            else:
-                found.add(node.module)
+            for alias in node.names:
+                # A module imported from its package counts as that module.
+                sub = f"{node.module}.{alias.name}"
+                found.add(
+                    sub if _is_module(sub) or node.module == "lightning_mcore_ckpt" else node.module
+                )
     return found
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt.cli import main as cli_main
+from lightning_mcore_ckpt.cli.entry import main as cli_main
 
 TOKEN = "hf_not_a_real_token_0123456789"
 REPO = "my-org/tiny-sft"
@@ -90,8 +90,9 @@ def _fast_retries_and_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A Hugging Face model, and a complete step imported from it with its export inside."""
-    from lightning_mcore_ckpt import hf, layout
+    from lightning_mcore_ckpt import hf
     from lightning_mcore_ckpt.callback._export import export_into_committed
+    from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
     root = tmp_path_factory.mktemp("upload")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mcore_ckpt import _atomic, layout, retention
+from lightning_mcore_ckpt.format import layout, retention
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 
 def _step(root: Path, step: int, complete: bool = True, monitor: float | None = None) -> Path:

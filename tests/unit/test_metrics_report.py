@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt import layout, metrics, report
-from lightning_mcore_ckpt.cli import main as cli_main
+from lightning_mcore_ckpt.cli import report
+from lightning_mcore_ckpt.cli.entry import main as cli_main
+from lightning_mcore_ckpt.format import layout, metrics
 
 
 @pytest.mark.parametrize("data_bytes", [0, 7, 9_000, 99_380, 999_400, 123_456_789_012])

@@ -83,7 +83,7 @@ def test_advice_for_cuda_kernels_is_hidden_on_cpu_only() -> None:
 _IMPORTS = (
     "import warnings, logging; import torch, lightning.pytorch, megatron.core; "
     "before = list(warnings.filters); "
-    "import lightning_mcore_ckpt, lightning_mcore_ckpt.cli, lightning_mcore_ckpt.notices; "
+    "import lightning_mcore_ckpt, lightning_mcore_ckpt.cli.entry, lightning_mcore_ckpt.notices; "
     "from lightning_mcore_ckpt import MegatronStrategy, MegatronCheckpoint, check_resume; "
     "assert warnings.filters == before, 'the import changed the warning filters'; "
     "loggers = [logging.getLogger(n.source) for n in lightning_mcore_ckpt.notices.KNOWN]; "

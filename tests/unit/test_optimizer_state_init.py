@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt import _optim
+from lightning_mcore_ckpt.training import optim as _optim
 
 OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.1),

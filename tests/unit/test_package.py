@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import lightning_mcore_ckpt
-from lightning_mcore_ckpt import cli
+from lightning_mcore_ckpt.cli import entry as cli
 
 
 def test_import_prints_nothing_without_cuda() -> None:

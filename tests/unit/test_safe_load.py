@@ -16,8 +16,10 @@ import pytest
 import torch
 from _crafted import crafted_index, globals_in, replace_objects, touching
 
-from lightning_mcore_ckpt import _safe_dcp, _safe_load, layout
-from lightning_mcore_ckpt._safe_load import UnsafeCheckpointError
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
 
 STEP = Path(__file__).parents[1] / "compat" / "fixtures" / "v0_1" / "ckpt" / "global_step_4"
 
@@ -146,7 +148,7 @@ def test_the_rng_state_needs_nothing_beyond_torchs_allowlist_and_round_trips(
 
     import numpy as np
 
-    from lightning_mcore_ckpt._rng import RNG_STATE_VERSION, RNGState
+    from lightning_mcore_ckpt.training.rng import RNG_STATE_VERSION, RNGState
 
     np.random.seed(7)
     np.random.normal()  # a cached Gaussian is part of NumPy's state

@@ -93,7 +93,7 @@ def test_the_constructor_takes_exactly_the_config_fields_with_the_same_defaults(
 
 
 def test_the_process_group_backend_follows_the_accelerator_not_the_machine() -> None:
-    from lightning_mcore_ckpt._parallel import backend_for
+    from lightning_mcore_ckpt.training.parallel import backend_for
 
     # accelerator="cpu" on a machine with GPUs trains on CPU tensors: gloo, not NCCL.
     assert backend_for("cpu", None) == "gloo"

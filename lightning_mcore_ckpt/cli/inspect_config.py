@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lightning_mcore_ckpt.preflight import SIZES, ModelSpec
+from lightning_mcore_ckpt.cli.inspect import SIZES, ModelSpec
 
 __all__ = ["spec_from_config"]
 

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     import json
 
-    from lightning_mcore_ckpt import diff
+    from lightning_mcore_ckpt.cli import diff
 
     if args.chunk_mib <= 0:
         return _fail(f"--chunk-mib: {args.chunk_mib} is not a positive size")
@@ -164,7 +164,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _fsck(args: argparse.Namespace) -> int:
-    from lightning_mcore_ckpt import fsck
+    from lightning_mcore_ckpt.cli import fsck
 
     try:
         result = fsck.check(args.path, deep=args.deep)
@@ -200,7 +200,7 @@ def _fsck(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from lightning_mcore_ckpt import preflight
+    from lightning_mcore_ckpt.cli import inspect as preflight
 
     target: dict[str, int] = {}
     spec = None
@@ -210,7 +210,7 @@ def _inspect(args: argparse.Namespace) -> int:
             return _fail(f"--{size}: {value} is not a positive size")
     try:
         if args.config is not None:
-            from lightning_mcore_ckpt._preflight_config import spec_from_config
+            from lightning_mcore_ckpt.cli.inspect_config import spec_from_config
 
             spec, target = spec_from_config(args.config)
         target.update({s: getattr(args, s) for s in preflight.SIZES if getattr(args, s)})

@@ -7,8 +7,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from lightning_mcore_ckpt import _atomic, _safe_dcp
-from lightning_mcore_ckpt.layout import (
+from lightning_mcore_ckpt.format.layout import (
     METADATA_FILE,
     MODEL_DIR,
     OPTIM_DIR,
@@ -19,6 +18,8 @@ from lightning_mcore_ckpt.layout import (
     read_metadata,
     step_number,
 )
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = ["collect_shared", "remove_step", "retention_plan"]
 

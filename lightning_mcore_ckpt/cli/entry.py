@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import cli_checks as _checks
 from lightning_mcore_ckpt._version import __version__
+from lightning_mcore_ckpt.cli import checks as _checks
 from lightning_mcore_ckpt.notices import known_notices_hidden
 
 __all__ = ["build_parser", "main"]
@@ -150,7 +150,9 @@ def _fail(message: object) -> int:
 
 
 def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_mcore_ckpt import hf, layout, report
+    from lightning_mcore_ckpt import hf
+    from lightning_mcore_ckpt.cli import report
+    from lightning_mcore_ckpt.format import layout
 
     try:
         result = report.collect(args.dirpath)
@@ -176,7 +178,9 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_mcore_ckpt import _objects, hf, replica
+    from lightning_mcore_ckpt import hf
+    from lightning_mcore_ckpt.storage import objects as _objects
+    from lightning_mcore_ckpt.storage import publication as replica
 
     out_url = args.out if _objects.is_url(args.out) else None
     if out_url is not None:  # written here, then uploaded
@@ -275,7 +279,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_mcore_ckpt import report
+    from lightning_mcore_ckpt.cli import report
 
     if args.plot is not None and not Path(args.plot).expanduser().parent.is_dir():
         parser.error(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
@@ -308,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_mcore_ckpt import replica
+    from lightning_mcore_ckpt.storage import publication as replica
 
     try:  # a step or a dirpath in an object store: read through a local view of it
         replica.open_url_arguments(args, ("dirpath", "path", "step", "step_dir", "reference"))

@@ -15,7 +15,7 @@ loading and retention ignore, and which the next publication of that step overwr
 
 A store is read through a *view*: a local directory with the step's small files (markers,
 indexes, ``common.pt``, ``extra/``) downloaded and its large files (``*.distcp``, safetensors)
-registered as remote files (:mod:`lightning_mcore_ckpt._objects`), read by range when a load
+registered as remote files (:mod:`lightning_mcore_ckpt.storage.objects`), read by range when a load
 or a check asks for their bytes. Every check and loader of a local ``dirpath`` then runs on it
 unchanged.
 """
@@ -33,9 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import _objects
-from lightning_mcore_ckpt._objects import ObjectStore
-from lightning_mcore_ckpt.layout import (
+from lightning_mcore_ckpt.format.layout import (
     EXTRA_DIR,
     LOCK_FILE,
     METADATA_FILE,
@@ -44,6 +42,8 @@ from lightning_mcore_ckpt.layout import (
     read_metadata,
     step_number,
 )
+from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage.objects import ObjectStore
 
 __all__ = [
     "DURABILITY",
@@ -222,7 +222,7 @@ def open_view(url: str, *, rank: int | None = None) -> Path:
 
     Example::
 
-        from lightning_mcore_ckpt import layout
+        from lightning_mcore_ckpt.format import layout
 
         view = open_view("s3://ckpts/run1")
         layout.resolve_last(view)  # the newest published, undamaged step's view
@@ -265,13 +265,13 @@ def newest_intact(
 
     Newest first, each candidate's view lists and downloads that step alone: a resume does not
     read the small files of every kept step. A damaged step is skipped with a warning naming
-    the file, as on disk (:func:`~lightning_mcore_ckpt.layout.resolve_last`).
+    the file, as on disk (:func:`~lightning_mcore_ckpt.format.layout.resolve_last`).
 
     Example::
 
         newest_intact(ObjectStore.from_url("s3://ckpts/run1"))  # .../global_step_500, or None
     """
-    from lightning_mcore_ckpt.layout import verify_step
+    from lightning_mcore_ckpt.format.layout import verify_step
 
     published = sorted(published_steps(store), reverse=True)
     tracked = _read_int(store.get_bytes(TRACKER_FILE))
@@ -300,7 +300,7 @@ def resolve_url(url: str, reading: Iterable[str] | None = None, deep: bool = Fal
 
         resolve_url("s3://ckpts/run1")  # e.g. 's3://ckpts/run1/global_step_500'
     """
-    from lightning_mcore_ckpt.layout import resolve_checkpoint
+    from lightning_mcore_ckpt.format.layout import resolve_checkpoint
 
     store = ObjectStore.from_url(url)
     if step_number(store.prefix.rsplit("/", 1)[-1]) is not None:

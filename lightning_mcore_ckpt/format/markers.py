@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import _atomic
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = [
     "METADATA_FILE",

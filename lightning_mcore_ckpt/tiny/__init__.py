@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_mcore_ckpt import _compat, _cpu
-from lightning_mcore_ckpt._tiny_hf import TINY_SEQ_LEN, TINY_VOCAB, tiny_hf_model, tiny_hf_qwen2
-from lightning_mcore_ckpt._tiny_hybrid import (
+from lightning_mcore_ckpt.tiny.hf import TINY_SEQ_LEN, TINY_VOCAB, tiny_hf_model, tiny_hf_qwen2
+from lightning_mcore_ckpt.tiny.hybrid import (
     TINY_HYBRID_PATTERN,
     check_layer_pattern,
     hybrid_local_stack_spec,

@@ -19,7 +19,8 @@ import pickle
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_mcore_ckpt import _objects, _safe_load
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.storage import objects as _objects
 
 __all__ = ["COMMON_FILE", "check_dist_checkpoint", "read_dcp_metadata"]
 

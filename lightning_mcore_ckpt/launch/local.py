@@ -5,7 +5,7 @@ The engine behind :func:`lightning_mcore_ckpt.testing.run_distributed` (the publ
 already imported torch, Megatron-Core and Lightning, so it starts in a fraction of a second.
 
 CPU and CUDA ranks alike: the server never initialises CUDA (it imports the libraries through
-:mod:`lightning_mcore_ckpt._forkserver`, which says how), so a rank forked from it can train on
+:mod:`lightning_mcore_ckpt.launch.forkserver`, which says how), so a rank forked from it can train on
 a GPU. Should anything initialise CUDA there all the same, a rank that fails to use CUDA names
 what did.
 """
@@ -32,7 +32,7 @@ __all__ = ["DistributedFailure", "find_free_port", "run_distributed"]
 # The ranks are forked from a server process that has already imported torch, Lightning and
 # Megatron-Core (through this module, which never initialises CUDA there), so a rank starts in a
 # fraction of a second instead of re-importing them.
-_PRELOAD = ["lightning_mcore_ckpt._forkserver"]
+_PRELOAD = ["lightning_mcore_ckpt.launch.forkserver"]
 _BAD_FORK = "Cannot re-initialize CUDA in forked subprocess"
 
 

@@ -1,6 +1,6 @@
 """Object storage (S3 and S3-compatible stores) through boto3: URLs, the client, uploads with
 bounded memory, ranged reads, conditional writes; and the registry of *remote files*, through
-which a local view of a step (see :mod:`lightning_mcore_ckpt.replica`) reads its large files
+which a local view of a step (see :mod:`lightning_mcore_ckpt.storage.publication`) reads its large files
 from the store by range. Imports nothing from the package.
 
 The endpoint and the credentials are boto3's: ``AWS_ENDPOINT_URL`` (``AWS_ENDPOINT_URL_S3``),

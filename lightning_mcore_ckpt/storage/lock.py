@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import _atomic
-from lightning_mcore_ckpt._holders import (
+from lightning_mcore_ckpt.storage import atomic as _atomic
+from lightning_mcore_ckpt.storage.holders import (
     JOB_ID_ENV,
     alive_here,
     describe_holder,

@@ -59,7 +59,7 @@ __all__ = ["CUDA_INITIALISED_BY", "PRELOADED", "answered_counts", "no_cuda_initi
 _MODULES = (
     "lightning.pytorch",
     "megatron.core",
-    "lightning_mcore_ckpt._launch",
+    "lightning_mcore_ckpt.launch.local",
     "torchdata.stateful_dataloader",
     "megatron.core.models.gpt",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",

@@ -16,7 +16,7 @@ out of order, tensor by tensor) are hashed at the commit from what was just writ
 
 Example::
 
-    from lightning_mcore_ckpt import integrity
+    from lightning_mcore_ckpt.format import integrity
 
     meta = layout.read_metadata("checkpoints/run/global_step_100")
     problems = integrity.check_hashes("checkpoints/run/global_step_100", meta["hashes"])
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_mcore_ckpt import _objects
+from lightning_mcore_ckpt.storage import objects as _objects
 
 __all__ = [
     "ALGORITHM",

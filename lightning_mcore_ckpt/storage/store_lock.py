@@ -10,16 +10,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_mcore_ckpt import _objects
-from lightning_mcore_ckpt._holders import (
+from lightning_mcore_ckpt.format.layout import LOCK_FILE
+from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage.holders import (
     describe_holder,
     displaceable,
     holder_record,
     job_identity,
     parse_holder,
 )
-from lightning_mcore_ckpt._objects import ObjectStore
-from lightning_mcore_ckpt.layout import LOCK_FILE
+from lightning_mcore_ckpt.storage.objects import ObjectStore
 
 __all__ = ["StoreLock"]
 
@@ -32,7 +32,7 @@ class StoreLock:
     Created with a conditional write (``If-None-Match: *``), so that of runs racing for it
     exactly one gets it; its heartbeat is a conditional rewrite (``If-Match``), so that a holder
     whose lock was taken over notices (:meth:`check`). Taken over as a local lock is (see
-    :class:`~lightning_mcore_ckpt.layout.DirectoryLock`): at once from a process of this host
+    :class:`~lightning_mcore_ckpt.format.layout.DirectoryLock`): at once from a process of this host
     that no longer runs or from the same job (a requeue), otherwise once the heartbeat is
     ``stale_after_s`` old.
 

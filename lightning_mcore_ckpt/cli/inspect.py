@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import _compat, _safe_dcp, _safe_load, layout
+from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.callback._loops import between_epochs
+from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
 
 __all__ = ["SIZES", "Finding", "Inspection", "ModelSpec", "inspect_step"]
 
@@ -293,7 +296,7 @@ def _optimizer(
 def _extra(
     path: Path, meta: dict[str, Any], saved: dict[str, int], wanted: dict[str, int], add: Any
 ) -> None:
-    from lightning_mcore_ckpt.sampler import is_elastic_state
+    from lightning_mcore_ckpt.training.sampler import is_elastic_state
 
     files = sorted((path / layout.EXTRA_DIR).glob("rank_*.pt"))
     world = (meta.get("parallel_layout") or {}).get("world_size", len(files))

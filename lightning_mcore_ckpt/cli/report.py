@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 
 __all__ = ["Report", "collect", "format_table", "human_bytes", "plot"]
 

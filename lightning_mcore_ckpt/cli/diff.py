@@ -7,7 +7,7 @@ rows (``chunk_bytes`` per step at a time), never a whole model.
 
 Example::
 
-    from lightning_mcore_ckpt import diff
+    from lightning_mcore_ckpt.cli import diff
 
     result = diff.diff_steps("run/global_step_100", "run/global_step_200")
     for t in result.differing:
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 
 __all__ = ["StepDiff", "TensorDiff", "diff_steps"]
 

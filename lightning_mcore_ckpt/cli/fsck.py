@@ -3,11 +3,11 @@
 The fast check reads no tensor data: the commit marker and its own digest, every file's
 presence and size at the commit, each dist-checkpoint's index against its shard files, one
 ``extra/`` file per rank. ``deep`` also reads every file and compares its digest with the one
-recorded at the commit (see :mod:`lightning_mcore_ckpt.integrity`).
+recorded at the commit (see :mod:`lightning_mcore_ckpt.format.integrity`).
 
 Example::
 
-    from lightning_mcore_ckpt import fsck
+    from lightning_mcore_ckpt.cli import fsck
 
     result = fsck.check("checkpoints/run", deep=True)
     for step in result.damaged:
@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_mcore_ckpt import layout
+from lightning_mcore_ckpt.format import layout
 
 __all__ = ["FsckResult", "StepCheck", "check"]
 

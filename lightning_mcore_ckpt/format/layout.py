@@ -26,9 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mcore_ckpt import _atomic, _objects, _safe_dcp, _safe_load, integrity
-from lightning_mcore_ckpt._lock import LOCK_FILE, DirectoryLock
-from lightning_mcore_ckpt._markers import (
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.format.markers import (
     METADATA_FILE,
     STARTED_MARKER,
     is_managed,
@@ -36,6 +35,11 @@ from lightning_mcore_ckpt._markers import (
     mark_step_started,
     read_metadata,
 )
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
+from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.storage import atomic as _atomic
+from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE, DirectoryLock
 
 __all__ = [
     "EXTRA_DIR",
@@ -223,7 +227,7 @@ def verify_step(
     """What is wrong with a step directory: missing or truncated files ([] when it is whole).
 
     With ``deep``, also every file whose bytes changed since the commit: each file the step
-    hashed at its commit is read whole and hashed again (see :mod:`lightning_mcore_ckpt.integrity`).
+    hashed at its commit is read whole and hashed again (see :mod:`lightning_mcore_ckpt.format.integrity`).
 
     Checks, without loading tensors: the commit marker; every file its ``files`` list names
     (each file of the step and its size at the commit: the shards, each dist-checkpoint's

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt._launch import DistributedFailure, find_free_port, run_distributed
+from lightning_mcore_ckpt.launch.local import DistributedFailure, find_free_port, run_distributed
 
 __all__ = [
     "DistributedFailure",

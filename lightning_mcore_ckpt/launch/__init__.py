@@ -1,0 +1,5 @@
+"""Start a function on N local processes that form a process group, as a launcher would
+(``local``), forked from a server process that imported the heavy libraries once without
+initialising CUDA (``forkserver``). The resume check runs its jobs this way; tests too
+(``lightning_mcore_ckpt.testing.run_distributed``).
+"""

@@ -5,19 +5,34 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 __all__ = [
     "CONTENTS",
     "LOADED_FROM_KEY",
     "CheckpointSaveError",
+    "Content",
+    "OptimizerSharding",
     "SaveListener",
     "SaveOptions",
     "SaveRecord",
+    "WriterKind",
+    "WrittenBy",
 ]
 
-CONTENTS = ("model", "optimizer", "extra")
-"""What a step directory can hold, as named in ``SaveOptions.contents``."""
+Content = Literal["model", "optimizer", "extra"]
+"""A part of a step directory, as named in ``SaveOptions.contents``."""
+CONTENTS: tuple[Content, ...] = get_args(Content)
+"""What a step directory can hold: every :data:`Content`, in order."""
+OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
+"""How a Megatron-Core distributed optimizer's state is saved (Megatron-LM's
+``distrib_optim_sharding_type``; ``MegatronStrategy(ckpt_optimizer_sharding)``)."""
+WriterKind = Literal["threads", "megatron"]
+"""Who is asked to write the shard files (``MegatronStrategy(ckpt_writer)``): our thread pool,
+or Megatron-Core's own async machinery."""
+WrittenBy = Literal["threads", "mcore", "nvrx"]
+"""Who wrote a save's shard files (``SaveRecord.writer``): our thread pool, Megatron-Core's
+built-in writer or NVIDIA's resiliency extension."""
 LOADED_FROM_KEY = "lightning_mcore_ckpt"
 """Key of the checkpoint dict ``load_checkpoint`` returns that says where it came from and the
 parallel layout that saved it (callbacks read it in ``on_load_checkpoint``)."""
@@ -54,11 +69,11 @@ class SaveRecord:
 
     path: Path
     """The step directory."""
-    contents: tuple[str, ...]
+    contents: tuple[Content, ...]
     """What was written: a subset of ``("model", "optimizer", "extra")``."""
     asynchronous: bool
     """Whether the shards were written in the background."""
-    writer: str
+    writer: WrittenBy
     """Who wrote the shards: ``"threads"`` (ours), ``"mcore"`` or ``"nvrx"`` (Megatron-Core's)."""
     parallel_layout: dict[str, int]
     """The parallel sizes of the saving run."""
@@ -70,7 +85,7 @@ class SaveRecord:
     """From the start of the save until it was durable everywhere, on the slowest rank."""
     finalized_at: float
     """``time.perf_counter()`` on this rank when the save became durable everywhere."""
-    optimizer_sharding: str | None = None
+    optimizer_sharding: OptimizerSharding | None = None
     """The sharding type a Megatron-Core distributed optimizer's state was saved with (``None``:
     no distributed optimizer in this save)."""
     max_staging_bytes: int | None = None
@@ -116,7 +131,7 @@ class SaveOptions:
         )
     """
 
-    contents: Sequence[str] = CONTENTS
+    contents: Sequence[Content] = CONTENTS
     """Subset of ``("model", "optimizer", "extra")`` to write."""
     on_finalized: list[Callable[[SaveRecord], None]] = field(default_factory=list)
     """Called on every rank, in order, once the whole save is durable on all ranks, with its

@@ -47,7 +47,7 @@ class PendingSave:
     """Rank 0's finalisation errors, kept to be shared (see ``_agreeing``)."""
 
 
-def create_step_directories(path: Path, contents: list[str], managed: bool) -> str | None:
+def create_step_directories(path: Path, contents: Sequence[str], managed: bool) -> str | None:
     """Rank 0: the new step directory and its sub-directories; what went wrong, if any."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         return (

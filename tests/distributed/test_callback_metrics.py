@@ -8,14 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _wandb import read_wandb_history, read_wandb_metric_definitions
 
 from lightning_mcore_ckpt.cli.entry import main as cli_main
 from lightning_mcore_ckpt.cli.report import human_bytes
-from lightning_mcore_ckpt.testing import (
-    read_wandb_history,
-    read_wandb_metric_definitions,
-    run_distributed,
-)
+from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,28 @@ def left_behind(before: set[tuple[str, str]], after: set[tuple[str, str]]) -> li
     return sorted(left)
 
 
+def _temporary_files_under_basetemp(config: pytest.Config) -> None:
+    """Point ``TMPDIR`` (and ``tempfile``) of this process and every process it starts at a
+    directory under pytest's base temporary directory, which pytest removes in turn with the
+    tmp_path directories of old runs. What the package writes to the temporary directory when
+    no path is given (an S3 dirpath's local tier ``lightning-mcore-ckpt/<bucket>``, the
+    ``lmc-view-*`` of an ``s3://`` step, the ``lmc-export-*`` of an export to a URL, a resume
+    check's ``resume-check-*``) stays with the run's tmp_path directories then, not in ``/tmp``.
+
+    Set before collection: the example tests copy the environment when they are imported. Not
+    where the directory's path is long: the forkserver's socket lives under it (``pymp-*/
+    listener-*``), and a Unix socket's path has at most 107 bytes."""
+    factory = config._tmp_path_factory  # type: ignore[attr-defined]  # what tmp_path uses
+    tmp = factory.getbasetemp() / "TMPDIR"
+    if len(str(tmp)) > 64:
+        return
+    tmp.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = str(tmp)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    _temporary_files_under_basetemp(session.config)
     if not hasattr(session.config, "workerinput"):  # pytest-xdist: the controller checks
         before = checkout_files(_ROOT)
         if before is not None:

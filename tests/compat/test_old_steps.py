@@ -184,3 +184,111 @@ def test_the_callback_state_of_0_1_loads(tmp_path: Path) -> None:
         {},
         "",
     )
+
+
+# --- a step written by the package before its modules moved into folders --------------------
+
+PREVIOUS = Path(__file__).parent / "fixtures" / "cb01742"
+"""``global_step_4`` of the same run (``_old_run.train``, its default writer), written by the
+package at commit cb01742: the code as it was released before its modules moved into the
+folders of its architecture (format 2, hashes in ``metadata.json``), with megatron-core 0.19.2
+and torch 2.13 on CPU. ``expected.json`` records the run uninterrupted, by that code on the CPU
+that wrote the step."""
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The previous release's step loaded; this code's run of it from scratch, uninterrupted;
+    and a copy of the step resumed to the end by this code."""
+    import _old_run
+
+    tmp = tmp_path_factory.mktemp("previous")
+    step = PREVIOUS / "ckpt" / f"global_step_{STEP}"
+    (loaded,) = run_distributed(_loaded, 1, str(step), timeout=300)
+    here_dir = tmp / "here"
+    (here,) = run_distributed(
+        _old_run.train, 1, str(here_dir), _old_run.MAX_STEPS, None, timeout=300
+    )
+    dirpath = tmp / "ckpt"
+    shutil.copytree(PREVIOUS / "ckpt", dirpath)
+    (resumed,) = run_distributed(
+        _old_run.train, 1, str(dirpath), _old_run.MAX_STEPS, "last", timeout=300
+    )
+    return {
+        "step": step,
+        "loaded": loaded,
+        "here_dir": here_dir,
+        "here": here,
+        "dirpath": dirpath,
+        "resumed": resumed,
+        "scratch": tmp,
+    }
+
+
+def test_a_step_of_the_previous_release_loads_exactly(previous: dict[str, Any]) -> None:
+    step, loaded, scratch = previous["step"], previous["loaded"], previous["scratch"]
+    assert json.loads((PREVIOUS / "expected.json").read_text())["interrupted_at"] == STEP
+    assert loaded["start"] == STEP
+    for part, got in (("model", loaded["weights"]), ("optim", loaded["optim"])):
+        stored = _stored(step / part, scratch)
+        tensors = {k for k, v in stored.items() if isinstance(v, torch.Tensor)}
+        assert set(got) == tensors, (part, sorted(set(got) ^ tensors))
+        for key, tensor in got.items():
+            assert torch.equal(tensor, stored[key]), (part, key)
+    (common,) = _stored(step / "optim", scratch)["common_state/shard_0_1"]
+    (saved,) = common["optimizer_0"]["param_groups"]
+    assert loaded["steps"] == [saved["scalar_step"]] == [float(STEP)]
+    assert loaded["groups"] == [{k: v for k, v in saved.items() if k != "scalar_step"}]
+
+
+# What a step's metadata.json records of the run, not of the machine or the moment.
+_RUN_FIELDS = ("async", "contents", "epoch", "format_version", "global_step", "monitor")
+_RUN_FIELDS += ("parallel_layout", "writer")
+
+
+def test_a_step_of_the_previous_release_is_the_step_this_code_writes(
+    previous: dict[str, Any],
+) -> None:
+    """Files, the shards' non-tensor state, metadata.json's fields and what a resume continues
+    from (RNG, loops, schedulers: integers, the same on every CPU) are those of this code's
+    step of the same run."""
+    step, scratch = previous["step"], previous["scratch"]
+    ours = layout.step_dir(previous["here_dir"], STEP)
+    assert layout.verify_step(step, deep=True) == []  # its hashes, checked by this code
+    assert _files(ours) == _files(step)
+    for part in SHARDS:
+        assert _objects(_stored(step / part, scratch)) == _objects(_stored(ours / part, scratch))
+    extra = Path("extra") / "rank_00000.pt"
+    assert _exact_state(step / extra) == _exact_state(ours / extra)
+    theirs, mine = layout.read_metadata(step), layout.read_metadata(ours)
+    assert theirs is not None and mine is not None
+    assert sorted(theirs) == sorted(mine)
+    assert sorted(theirs["hashes"]) == sorted(mine["hashes"])
+    assert {k: theirs[k] for k in _RUN_FIELDS} == {k: mine[k] for k in _RUN_FIELDS}
+    assert theirs["format_version"] == layout.METADATA_FORMAT_VERSION
+
+
+def test_a_step_of_the_previous_release_resumes_and_training_goes_on(
+    previous: dict[str, Any],
+) -> None:
+    import _old_run
+
+    dirpath, resumed = previous["dirpath"], previous["resumed"]
+    assert resumed["start"] == STEP
+    assert len(resumed["losses"]) == _old_run.MAX_STEPS - STEP
+    assert [s.step for s in layout.complete_steps(dirpath)] == [STEP, 6]
+    assert layout.verify_step(layout.step_dir(dirpath, STEP), deep=True) == []
+    meta = layout.read_metadata(layout.step_dir(dirpath, 6))
+    assert meta is not None and meta["format_version"] == layout.METADATA_FORMAT_VERSION
+
+
+def test_a_step_of_the_previous_release_resumes_exactly(previous: dict[str, Any]) -> None:
+    """Where this CPU rounds float32 as the one that wrote the step did (this code's run from
+    scratch is the recorded one through the step), the resumed run is that run, bit for bit."""
+    reference = json.loads((PREVIOUS / "expected.json").read_text())["reference"]
+    here, resumed = previous["here"], previous["resumed"]
+    if here["losses"][:STEP] != reference["losses"][:STEP]:
+        pytest.skip("this CPU rounds float32 differently from the one that wrote the fixture")
+    assert here == reference  # this code trains the run as the previous release did
+    assert resumed["losses"] == here["losses"][STEP:]
+    assert resumed["weights"] == here["weights"]

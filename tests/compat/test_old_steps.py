@@ -118,6 +118,22 @@ def _loaded(rank: int, world_size: int, step: str) -> dict[str, Any]:
     return seen
 
 
+def _assert_loaded_exactly(loaded: dict[str, Any], step: Path, scratch: Path) -> None:
+    """What ``_loaded`` restored from ``step`` is what torch's own reader finds in its files."""
+    assert loaded["start"] == STEP
+    for part, got in (("model", loaded["weights"]), ("optim", loaded["optim"])):
+        stored = _stored(step / part, scratch)
+        tensors = {k for k, v in stored.items() if isinstance(v, torch.Tensor)}
+        assert set(got) == tensors, (part, sorted(set(got) ^ tensors))
+        for key, tensor in got.items():
+            assert torch.equal(tensor, stored[key]), (part, key)
+    # The optimizer's parameter groups (learning rate, Adam's settings) and step counts.
+    (common,) = _stored(step / "optim", scratch)["common_state/shard_0_1"]
+    (saved,) = common["optimizer_0"]["param_groups"]
+    assert loaded["steps"] == [saved["scalar_step"]] == [float(STEP)]
+    assert loaded["groups"] == [{k: v for k, v in saved.items() if k != "scalar_step"}]
+
+
 @pytest.mark.skipif(
     not _compat._mcore_at_least("0.17"),
     reason="written by megatron-core 0.19, which 0.16 cannot read (refused, tested elsewhere)",
@@ -130,18 +146,7 @@ def test_a_step_written_by_0_1_resumes_exactly(tmp_path: Path) -> None:
 
     # 1) The fixture's shards load exactly.
     (loaded,) = run_distributed(_loaded, 1, str(fixture_step), timeout=300)
-    assert loaded["start"] == STEP
-    for part, got in (("model", loaded["weights"]), ("optim", loaded["optim"])):
-        stored = _stored(fixture_step / part, tmp_path)
-        tensors = {k for k, v in stored.items() if isinstance(v, torch.Tensor)}
-        assert set(got) == tensors, (part, sorted(set(got) ^ tensors))
-        for key, tensor in got.items():
-            assert torch.equal(tensor, stored[key]), (part, key)
-    # The optimizer's parameter groups (learning rate, Adam's settings) and step counts.
-    (common,) = _stored(fixture_step / "optim", tmp_path)["common_state/shard_0_1"]
-    (saved,) = common["optimizer_0"]["param_groups"]
-    assert loaded["steps"] == [saved["scalar_step"]] == [float(STEP)]
-    assert loaded["groups"] == [{k: v for k, v in saved.items() if k != "scalar_step"}]
+    _assert_loaded_exactly(loaded, fixture_step, tmp_path)
 
     # 2) The same run from scratch on this CPU, uninterrupted, writing as 0.1 did.
     here_dir = tmp_path / "here"
@@ -228,17 +233,7 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_step_of_the_previous_release_loads_exactly(previous: dict[str, Any]) -> None:
     step, loaded, scratch = previous["step"], previous["loaded"], previous["scratch"]
     assert json.loads((PREVIOUS / "expected.json").read_text())["interrupted_at"] == STEP
-    assert loaded["start"] == STEP
-    for part, got in (("model", loaded["weights"]), ("optim", loaded["optim"])):
-        stored = _stored(step / part, scratch)
-        tensors = {k for k, v in stored.items() if isinstance(v, torch.Tensor)}
-        assert set(got) == tensors, (part, sorted(set(got) ^ tensors))
-        for key, tensor in got.items():
-            assert torch.equal(tensor, stored[key]), (part, key)
-    (common,) = _stored(step / "optim", scratch)["common_state/shard_0_1"]
-    (saved,) = common["optimizer_0"]["param_groups"]
-    assert loaded["steps"] == [saved["scalar_step"]] == [float(STEP)]
-    assert loaded["groups"] == [{k: v for k, v in saved.items() if k != "scalar_step"}]
+    _assert_loaded_exactly(loaded, step, scratch)
 
 
 # What a step's metadata.json records of the run, not of the machine or the moment.

@@ -25,7 +25,8 @@ that forks ranks never initialise CUDA, by construction:
    process forked for the question, so the answer is the real one and this process stays clean.
 3. Anything that still initialises CUDA here (``torch._C._cuda_init``, e.g. a library that
    creates a CUDA tensor while it is imported) is recorded with its stack in
-   :data:`CUDA_INITIALISED_BY`; a rank that then fails to use CUDA says so (see ``_launch``).
+   :data:`CUDA_INITIALISED_BY`; a rank that then fails to use CUDA says so
+   (:mod:`lightning_mcore_ckpt.launch.local`).
 
 Spawning CUDA ranks instead would cost every rank the imports (seconds each, at every start):
 the forkserver stays, for CPU and CUDA ranks alike.

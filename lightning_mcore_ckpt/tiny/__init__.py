@@ -1,7 +1,9 @@
 """Tiny models for tests, examples and laptops: a Megatron-Core GPT, a Megatron-Core hybrid model
 (``HybridModel``: attention and MLP layers, Transformer-Engine-free) and a Hugging Face Qwen2.
 
-All are built locally in seconds; nothing is downloaded.
+All are built locally in seconds; nothing is downloaded. The GPT, its Lightning modules and
+the token data are here; the hybrid model's layer spec is in ``hybrid``, the Hugging Face model
+in ``hf``.
 
 Example::
 

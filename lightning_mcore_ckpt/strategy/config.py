@@ -1,29 +1,41 @@
-"""``StrategyConfig``: the options of ``MegatronStrategy``, checked once, at construction."""
+"""``StrategyConfig``: the options of ``MegatronStrategy``, checked once, at construction.
+
+The options are written here only: the fields are ``MegatronStrategy``'s keyword arguments (its
+signature and documented arguments come from them, see :mod:`lightning_mcore_ckpt._options`).
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
+from lightning_mcore_ckpt.engine import OptimizerSharding, WriterKind
 from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.format.layout import MODEL_DIR
 
-__all__ = ["OPTIMIZER_SHARDINGS", "WRITERS", "StrategyConfig"]
+__all__ = ["ProcessGroupBackend", "StrategyConfig"]
 
-OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
-"""The values of ``ckpt_optimizer_sharding``."""
-WRITERS = ("threads", "megatron")
-"""The values of ``ckpt_writer``."""
+ProcessGroupBackend = Literal["nccl", "gloo"]
+"""The values of ``process_group_backend`` (``None``: chosen from the devices)."""
 
 
 def _check_size(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"MegatronStrategy({name}={value!r}): must be a positive int")
+
+
+def _check_choice(name: str, value: Any, choices: Any) -> None:
+    allowed = typing.get_args(choices)
+    if value not in allowed:
+        raise ConfigurationError(
+            f"MegatronStrategy({name}={value!r}): use one of {', '.join(map(repr, allowed))}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +73,7 @@ class StrategyConfig:
     ckpt_parallel_load: bool = False
     """Spread the reads across data-parallel ranks (CUDA only; ignored with an info message on
     CPU)."""
-    ckpt_optimizer_sharding: str = "dp_reshardable"
+    ckpt_optimizer_sharding: OptimizerSharding = "dp_reshardable"
     """How a Megatron-Core distributed optimizer's state is saved (Megatron-LM's
     ``distrib_optim_sharding_type``). ``"dp_reshardable"``: each rank writes its own slice of
     the optimizer buffers, no communication; loads into any data-parallel size, but only the
@@ -70,7 +82,7 @@ class StrategyConfig:
     weights: loads into any layout, at the cost of that gather (memory and time on those ranks)
     at every save. A step always loads with the type it was saved with; torch optimizers are
     not affected (their state always reshards)."""
-    ckpt_writer: str = "threads"
+    ckpt_writer: WriterKind = "threads"
     """Who writes the shard files. ``"threads"`` (the default, the fastest): a thread pool of
     each rank, started at the first save and reused, with staging buffers allocated once (pinned
     host memory for GPU tensors); async saves are written by one persistent thread of the
@@ -106,7 +118,7 @@ class StrategyConfig:
     training thread is then blocked until every tensor is copied, i.e. until all but the last
     buffer's worth is written. Bounds async saves, and sync saves of GPU tensors; a sync save of
     CPU tensors copies nothing."""
-    process_group_backend: str | None = None
+    process_group_backend: ProcessGroupBackend | None = None
     """``"nccl"`` or ``"gloo"``; default: nccl when the ranks train on GPUs, gloo with
     ``accelerator="cpu"`` (also on a machine with GPUs). ``"nccl"`` with CPU devices is refused."""
     timeout: datetime.timedelta = field(default=default_pg_timeout)
@@ -146,17 +158,9 @@ class StrategyConfig:
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ConfigurationError(f"MegatronStrategy(seed={seed!r}): must be a non-negative int")
-        if self.ckpt_optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            raise ConfigurationError(
-                f"MegatronStrategy(ckpt_optimizer_sharding={self.ckpt_optimizer_sharding!r}): "
-                f"use one of {', '.join(map(repr, OPTIMIZER_SHARDINGS))}"
-            )
-        if self.ckpt_writer not in WRITERS:
-            raise ConfigurationError(
-                f"MegatronStrategy(ckpt_writer={self.ckpt_writer!r}): "
-                f"use one of {', '.join(map(repr, WRITERS))}"
-            )
-        if self.ckpt_dedup and self.ckpt_writer != WRITERS[0]:
+        _check_choice("ckpt_optimizer_sharding", self.ckpt_optimizer_sharding, OptimizerSharding)
+        _check_choice("ckpt_writer", self.ckpt_writer, WriterKind)
+        if self.ckpt_dedup and self.ckpt_writer != "threads":
             raise ConfigurationError(
                 f"MegatronStrategy(ckpt_dedup=True, ckpt_writer={self.ckpt_writer!r}): dedup is "
                 "done by our shard writer; use ckpt_writer='threads' (the default) with it"
@@ -165,7 +169,7 @@ class StrategyConfig:
             if getattr(self, name) is not None:
                 _check_size(name, getattr(self, name))
         self._check_max_staging_bytes()
-        if self.process_group_backend not in (None, "nccl", "gloo"):
+        if self.process_group_backend not in (None, *typing.get_args(ProcessGroupBackend)):
             raise ConfigurationError(
                 f"MegatronStrategy(process_group_backend={self.process_group_backend!r}): "
                 "use 'nccl', 'gloo' or None (nccl with CUDA, gloo without)"
@@ -187,7 +191,7 @@ class StrategyConfig:
                 f"MegatronStrategy(ckpt_max_staging_bytes={cap!r}): must be a positive int "
                 "(bytes, e.g. 8 * 2**30 for 8 GiB) or None (unbounded, the fastest)"
             )
-        if self.ckpt_writer != WRITERS[0]:
+        if self.ckpt_writer != "threads":
             raise ConfigurationError(
                 f"MegatronStrategy(ckpt_max_staging_bytes={cap}, "
                 f"ckpt_writer={self.ckpt_writer!r}): Megatron-Core's writer copies the whole "

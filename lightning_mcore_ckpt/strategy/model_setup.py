@@ -1,0 +1,64 @@
+"""The model at ``MegatronStrategy.setup``: its Megatron-Core configs checked against the
+strategy's options, its precision converted. Functions of the model; the strategy calls them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_mcore_ckpt.strategy.config import StrategyConfig
+from lightning_mcore_ckpt.strategy.grads import megatron_modules
+
+__all__ = ["check_model_configs", "convert_precision"]
+
+
+def check_model_configs(model: torch.nn.Module, config: StrategyConfig) -> None:
+    """Refuse a model whose outermost Megatron-Core config disagrees with the strategy's
+    tensor/pipeline-parallel sizes or sequence parallelism."""
+    for module in megatron_modules(model):
+        model_config = getattr(module, "config", None)
+        if model_config is None:
+            continue
+        for attr in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "sequence_parallel",
+        ):
+            expected = getattr(config, attr)
+            got = getattr(model_config, attr, expected)
+            if got != expected:
+                raise ValueError(
+                    f"{type(module).__name__}.config.{attr}={got!r} but "
+                    f"MegatronStrategy({attr}={expected!r}); build the model's "
+                    "TransformerConfig from the strategy's settings"
+                )
+        break
+
+
+def convert_precision(model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
+    """``model`` converted by the precision plugin, as Lightning's ``Strategy.setup`` does.
+
+    ``"bf16-true"`` / ``"16-true"`` convert every parameter: Megatron-Core modules are then
+    told so (``config.pipeline_dtype``: pipeline stages exchange activations of that dtype).
+    Refused for a model in Megatron DDP, whose fp32 gradient buffers and main parameters cannot
+    follow: Megatron-Core's own mixed precision does that instead.
+    """
+    from lightning.pytorch.plugins.precision import HalfPrecision
+    from megatron.core.distributed import DistributedDataParallel
+
+    if isinstance(plugin, HalfPrecision):
+        if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+            raise ValueError(
+                f"Trainer(precision={plugin.precision!r}) converts every parameter, which "
+                "Megatron DDP's gradient buffers and a Megatron optimizer's fp32 main "
+                "parameters cannot follow. Use Megatron-Core's mixed precision instead: the "
+                "model built with TransformerConfig(bf16=True, params_dtype=torch.bfloat16) "
+                "in Float16Module, and OptimizerConfig(bf16=True), with precision='32-true' "
+                "(docs/gpu.md)"
+            )
+        for module in megatron_modules(model):
+            config = getattr(module, "config", None)
+            if config is not None and getattr(config, "pipeline_dtype", None) is not None:
+                config.pipeline_dtype = plugin._desired_input_dtype
+    return plugin.convert_module(model)

@@ -7,7 +7,7 @@ A checkpoint-sized step (shard-like ``*.distcp`` files plus a commit marker) is
 - published to an S3 server on loopback (``replica.publish_step``: every object, the listing
   check, the marker, the tracker), then read back through a view of the store
   (``replica.open_view``: each shard a remote file, read by ranged GETs through
-  ``_objects.open_read``), and downloaded whole (``ObjectStore.download``).
+  ``remote_files.open_read``), and downloaded whole (``ObjectStore.download``).
 
 The server is moto (``tests/storage/_s3server.py``): an in-memory Python server on the same
 machine. It measures this package's client path and the protocol's overhead, not the bandwidth
@@ -90,9 +90,9 @@ def measure(
     sys.path.insert(0, str(HERE.parent / "tests" / "storage"))
     from _s3server import S3Server
 
-    from lightning_mcore_ckpt.storage import objects as _objects
     from lightning_mcore_ckpt.storage import publication as replica
-    from lightning_mcore_ckpt.storage.objects import ObjectStore
+    from lightning_mcore_ckpt.storage import remote_files
+    from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
     server = S3Server(scratch / "server").start()
     saved_env = {k: os.environ.get(k) for k in server.env()}
@@ -128,12 +128,12 @@ def measure(
             remote = [
                 view / "model" / p.name
                 for p in shards
-                if _objects.remote_size(view / "model" / p.name) is not None
+                if remote_files.remote_size(view / "model" / p.name) is not None
             ]
             assert len(remote) == len(shards), "every shard is a remote file of the view"
-            row["ranged_read_s"] = _read_all(remote, _objects.open_read)
+            row["ranged_read_s"] = _read_all(remote, remote_files.open_read)
             # One GET per part_size: what the per-request cost weighs.
-            row["ranged_read_big_s"] = _read_all(remote, _objects.open_read, part_mb * MiB)
+            row["ranged_read_big_s"] = _read_all(remote, remote_files.open_read, part_mb * MiB)
 
             down = scratch / "download"
             shutil.rmtree(down, ignore_errors=True)
@@ -174,7 +174,7 @@ ROWS = (
     ("write to local disk (fsync each file, marker by rename)", "local_write_s", "bytes"),
     ("publish to S3 (`replica.publish_step`)", "publish_s", "upload_bytes"),
     ("read from local disk (cold)", "local_read_s", "bytes"),
-    ("read through a view (ranged GETs, `_objects.open_read`)", "ranged_read_s", "bytes"),
+    ("read through a view (ranged GETs, `remote_files.open_read`)", "ranged_read_s", "bytes"),
     ("read through a view, one GET per part (`read(part_size)`)", "ranged_read_big_s", "bytes"),
     ("download whole files (`ObjectStore.download`)", "download_s", "bytes"),
 )

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt.errors import ConfigurationError
-from lightning_mcore_ckpt.storage import objects as _objects
-from lightning_mcore_ckpt.storage.objects import ObjectStore
+from lightning_mcore_ckpt.storage import object_store
+from lightning_mcore_ckpt.storage.object_store import ObjectStore
 from lightning_mcore_ckpt.storage.publication import DURABILITY
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ class CheckpointConfig:
         given = self.dirpath
         if not isinstance(given, str | os.PathLike) or not str(given):
             raise _fail("dirpath", given, "pass the directory for this run's checkpoints")
-        if _objects.is_url(given):
+        if object_store.is_url(given):
             self._check_store(str(given))
             return
         if _URL.match(str(given)):
@@ -238,7 +238,7 @@ class CheckpointConfig:
             )
 
     def _check_store(self, url: str) -> None:
-        _objects.require_client("MegatronCheckpoint(dirpath", url)
+        object_store.require_client("MegatronCheckpoint(dirpath", url)
         if self.durability not in DURABILITY:
             raise _fail("durability", self.durability, f"use one of {list(DURABILITY)}")
         if self.durability == "local" and self.local_dir is None:

@@ -21,7 +21,7 @@ from lightning_mcore_ckpt.callback._config import CheckpointConfig
 from lightning_mcore_ckpt.format import layout, retention
 from lightning_mcore_ckpt.format.layout import StepDir
 from lightning_mcore_ckpt.storage import publication as replica
-from lightning_mcore_ckpt.storage.objects import ObjectStore
+from lightning_mcore_ckpt.storage.object_store import ObjectStore
 from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
 __all__ = ["StoreTier", "retain"]

@@ -179,10 +179,10 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from lightning_mcore_ckpt import hf
-    from lightning_mcore_ckpt.storage import objects as _objects
+    from lightning_mcore_ckpt.storage import object_store
     from lightning_mcore_ckpt.storage import publication as replica
 
-    out_url = args.out if _objects.is_url(args.out) else None
+    out_url = args.out if object_store.is_url(args.out) else None
     if out_url is not None:  # written here, then uploaded
         args.out = str(Path(tempfile.mkdtemp(prefix="lmc-export-")) / "export")
     try:

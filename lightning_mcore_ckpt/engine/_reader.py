@@ -22,7 +22,7 @@ from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import object_store
 from lightning_mcore_ckpt.storage import publication as replica
 from lightning_mcore_ckpt.training import optim as _optim
 from lightning_mcore_ckpt.training import parallel as _parallel
@@ -96,7 +96,9 @@ class CheckpointReader:
             raise FileNotFoundError(problem)
         # A step in an object store is read through a local view of it (every rank).
         path = (
-            replica.open_view(resolved, rank=rank) if _objects.is_url(resolved) else Path(resolved)
+            replica.open_view(resolved, rank=rank)
+            if object_store.is_url(resolved)
+            else Path(resolved)
         )
         if rank == 0 and str(path) != str(checkpoint_path):
             log.info("resuming from %s", path)
@@ -120,8 +122,8 @@ class CheckpointReader:
         tier = self.sources.get(str(path.parent))
         if tier is not None and not layout.is_complete(path):  # e.g. "best", staged out
             return replica.resolve_url(tier.store.child(path.name).url, reading, self.verify_hashes)
-        if _objects.is_url(checkpoint_path):
-            _objects.require_client("ckpt_path", str(checkpoint_path))
+        if object_store.is_url(checkpoint_path):
+            object_store.require_client("ckpt_path", str(checkpoint_path))
             return replica.resolve_url(str(checkpoint_path), reading, self.verify_hashes)
         return str(layout.resolve_checkpoint(checkpoint_path, reading, self.verify_hashes))
 

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["ParallelFileSystemReader", "load_strategy", "views_readable"]
 
@@ -39,7 +39,7 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
 
     def __init__(self, path: Any, threads: int) -> None:
         super().__init__(path)
-        self.fs = _objects.routed_filesystem()  # a view of a step in an object store
+        self.fs = remote_files.routed_filesystem()  # a view of a step in an object store
         self.threads = threads
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
@@ -58,8 +58,8 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
             items.sort(key=lambda item: infos[item.storage_index].offset)
             path = self.fs.concat_path(self.path, relative_path)
             # A view of a step in an object store reads its shard files by range.
-            remote = _objects.remote_size(path) is not None
-            with _objects.open_read(path) as stream:
+            remote = remote_files.remote_size(path) is not None
+            with remote_files.open_read(path) as stream:
                 if hasattr(os, "posix_fadvise") and not remote:
                     os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for item in items:
@@ -209,7 +209,7 @@ def views_readable() -> Iterator[None]:
     def reader(*args: Any, **kwargs: Any) -> Any:
         made = stock(*args, **kwargs)
         if isinstance(made, FileSystemReader):
-            made.fs = _objects.routed_filesystem()
+            made.fs = remote_files.routed_filesystem()
         return made
 
     # Megatron-Core 0.16 reads the common state from common.pt, without a DCP reader.

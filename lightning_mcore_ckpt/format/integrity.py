@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = [
     "ALGORITHM",
@@ -118,7 +118,7 @@ def hash_file(path: str | os.PathLike[str]) -> str:
         hash_file("checkpoints/run/global_step_100/model/__0_0.distcp")  # "xxh3-128:..."
     """
     hasher = _new()
-    with _objects.open_read(path) as f:  # a local file, or a view's file in an object store
+    with remote_files.open_read(path) as f:  # a local file, or a view's file in an object store
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
         while read := f.readinto(buffer):
@@ -228,7 +228,7 @@ def check_hashes(
 
     def check(name: str) -> str | None:
         file = root / name
-        if _objects.size_of(file) is None:
+        if remote_files.size_of(file) is None:
             return f"{file} is missing"
         actual = hash_file(file)
         if actual != hashes[name]:

@@ -38,7 +38,7 @@ from lightning_mcore_ckpt.format.markers import (
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import atomic as _atomic
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import remote_files
 from lightning_mcore_ckpt.storage.lock import LOCK_FILE, DirectoryLock
 
 __all__ = [
@@ -214,7 +214,7 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
         problems.append(f"{directory / 'metadata.json'} is missing")
     for name, size in sorted(needed.items()):
         shard = directory / name
-        if (found := _objects.size_of(shard)) is None:  # local, or a view's file in a store
+        if (found := remote_files.size_of(shard)) is None:  # local, or a view's file in a store
             problems.append(f"{shard} is missing")
         elif found < size:
             problems.append(f"{shard} is truncated ({found} of {size} bytes)")
@@ -258,7 +258,7 @@ def verify_step(
         if name.split("/", 1)[0] in skipped:
             continue
         file = p / name
-        if (actual := _objects.size_of(file)) is None:
+        if (actual := remote_files.size_of(file)) is None:
             problems.append(f"{file} is missing")
         elif actual < size:
             problems.append(f"{file} is truncated ({actual} of {size} bytes)")

@@ -26,7 +26,7 @@ from lightning_mcore_ckpt.hf._names import (
 )
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
 
@@ -72,7 +72,7 @@ class CheckpointReader:
 
         self.dir = model_dir
         self.reader = IndexReadOnce(str(model_dir))
-        self.reader.fs = _objects.routed_filesystem()  # a view of a step in an object store
+        self.reader.fs = remote_files.routed_filesystem()  # a view of a step in an object store
         metadata = self.reader.read_metadata()
         self.tensors = {
             k: v

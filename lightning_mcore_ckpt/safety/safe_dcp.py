@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["COMMON_FILE", "check_dist_checkpoint", "read_dcp_metadata"]
 
@@ -95,7 +95,7 @@ def read_dcp_metadata(directory: str | os.PathLike[str], *, trusted: bool = Fals
     return metadata
 
 
-class _Window(_objects.SeekableReader):
+class _Window(remote_files.SeekableReader):
     """A read-only view of ``length`` bytes at ``offset`` of an open file."""
 
     def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
@@ -141,7 +141,7 @@ def check_dist_checkpoint(directory: str | os.PathLike[str]) -> None:
                 f"it is stored through transforms {list(info.transform_descriptors)}, which "
                 "lightning-mcore-ckpt cannot check before they are unpickled",
             )
-        with _objects.open_read(root / info.relative_path) as f:  # local, or a view's
+        with remote_files.open_read(root / info.relative_path) as f:  # local, or a view's
             unsafe = _safe_load.scan(_Window(f, int(info.offset), int(info.length)), where)  # type: ignore[arg-type]
         if unsafe:
             refused[index.fqn] = unsafe

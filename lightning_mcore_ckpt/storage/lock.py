@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt.storage import atomic as _atomic
+from lightning_mcore_ckpt.storage.heartbeat import Heartbeat
 from lightning_mcore_ckpt.storage.holders import (
     JOB_ID_ENV,
     alive_here,
@@ -105,7 +105,7 @@ class DirectoryLock:
         self.lost: str | None = None
         """Why this process no longer holds the lock it took, or ``None``."""
         self._data = b""
-        self._stop_heartbeat: threading.Event | None = None
+        self._heartbeat: Heartbeat | None = None
 
     # --- taking the lock ------------------------------------------------------------------
 
@@ -261,14 +261,11 @@ class DirectoryLock:
     def start_heartbeat(self, every_s: float = 60.0) -> None:
         """Refresh the lock every ``every_s`` seconds from a daemon thread until released (or
         until the lock is lost)."""
-        stop = threading.Event()
+        self._heartbeat = Heartbeat(self._beat, every_s, name="checkpoint-lock-heartbeat")
 
-        def beat() -> None:
-            while not stop.wait(every_s) and self.lost is None:
-                self.heartbeat()
-
-        threading.Thread(target=beat, name="checkpoint-lock-heartbeat", daemon=True).start()
-        self._stop_heartbeat = stop
+    def _beat(self) -> bool:
+        self.heartbeat()
+        return self.lost is None
 
     def _lose(self, current: tuple[bytes, float] | None) -> None:
         if current is None:
@@ -285,9 +282,9 @@ class DirectoryLock:
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if this process still holds it."""
-        if self._stop_heartbeat is not None:
-            self._stop_heartbeat.set()
-            self._stop_heartbeat = None
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if not self.owned:
             return
         self.owned = False

@@ -15,7 +15,7 @@ loading and retention ignore, and which the next publication of that step overwr
 
 A store is read through a *view*: a local directory with the step's small files (markers,
 indexes, ``common.pt``, ``extra/``) downloaded and its large files (``*.distcp``, safetensors)
-registered as remote files (:mod:`lightning_mcore_ckpt.storage.objects`), read by range when a load
+registered as remote files (:mod:`lightning_mcore_ckpt.storage.remote_files`), read by range when a load
 or a check asks for their bytes. Every check and loader of a local ``dirpath`` then runs on it
 unchanged.
 """
@@ -42,8 +42,8 @@ from lightning_mcore_ckpt.format.layout import (
     read_metadata,
     step_number,
 )
-from lightning_mcore_ckpt.storage import objects as _objects
-from lightning_mcore_ckpt.storage.objects import ObjectStore
+from lightning_mcore_ckpt.storage import object_store, remote_files
+from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
 __all__ = [
     "DURABILITY",
@@ -203,7 +203,7 @@ _views: list[Path] = []
 
 def _remove_views() -> None:
     for view in _views:
-        _objects.forget_remote(view)
+        remote_files.forget_remote(view)
         shutil.rmtree(view, ignore_errors=True)
 
 
@@ -250,7 +250,7 @@ def open_view(url: str, *, rank: int | None = None) -> Path:
         parts = name.split("/")
         other_rank = mine is not None and parts[-2:-1] == [EXTRA_DIR] and parts[-1] not in mine
         if _is_large(name) or other_rank:
-            _objects.register_remote(local, store, name, size)
+            remote_files.register_remote(local, store, name, size)
         else:
             downloads.append((name, local))
     with ThreadPoolExecutor(8, thread_name_prefix="lmc-view") as pool:
@@ -335,6 +335,6 @@ def open_url_arguments(args: Any, names: Iterable[str]) -> None:
     by a local view of it (see :func:`open_view`)."""
     for name in names:
         value = getattr(args, name, None)
-        if isinstance(value, str) and _objects.is_url(value):
-            _objects.require_client(name, value)
+        if isinstance(value, str) and object_store.is_url(value):
+            object_store.require_client(name, value)
             setattr(args, name, str(open_view(value)))

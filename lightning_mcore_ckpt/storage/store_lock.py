@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_mcore_ckpt.format.layout import LOCK_FILE
-from lightning_mcore_ckpt.storage import objects as _objects
+from lightning_mcore_ckpt.storage import object_store
+from lightning_mcore_ckpt.storage.heartbeat import Heartbeat
 from lightning_mcore_ckpt.storage.holders import (
     describe_holder,
     displaceable,
@@ -19,7 +18,8 @@ from lightning_mcore_ckpt.storage.holders import (
     job_identity,
     parse_holder,
 )
-from lightning_mcore_ckpt.storage.objects import ObjectStore
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
+from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
 __all__ = ["StoreLock"]
 
@@ -32,7 +32,7 @@ class StoreLock:
     Created with a conditional write (``If-None-Match: *``), so that of runs racing for it
     exactly one gets it; its heartbeat is a conditional rewrite (``If-Match``), so that a holder
     whose lock was taken over notices (:meth:`check`). Taken over as a local lock is (see
-    :class:`~lightning_mcore_ckpt.format.layout.DirectoryLock`): at once from a process of this host
+    :class:`~lightning_mcore_ckpt.storage.lock.DirectoryLock`): at once from a process of this host
     that no longer runs or from the same job (a requeue), otherwise once the heartbeat is
     ``stale_after_s`` old.
 
@@ -50,7 +50,7 @@ class StoreLock:
         self.lost: str | None = None
         self._etag: str | None = None
         self._record: dict[str, Any] = {}
-        self._stop: threading.Event | None = None
+        self._heartbeat: Heartbeat | None = None
 
     def acquire(self) -> None:
         self._record = holder_record(self.job_id)
@@ -60,7 +60,7 @@ class StoreLock:
                 self._etag = self.store.put_bytes(LOCK_FILE, data, if_none_match=True)
                 return
             except Exception as err:
-                if not _objects.is_precondition_failed(err):
+                if not object_store.is_precondition_failed(err):
                     raise
             found = self.store.head(LOCK_FILE)
             if found is None:
@@ -79,7 +79,7 @@ class StoreLock:
             try:
                 self._etag = self.store.put_bytes(LOCK_FILE, data, if_match=found[1])
             except Exception as err:
-                if not _objects.is_precondition_failed(err):
+                if not object_store.is_precondition_failed(err):
                     raise
                 continue
             log.warning(
@@ -102,29 +102,29 @@ class StoreLock:
                 LOCK_FILE, json.dumps(self._record).encode(), if_match=self._etag
             )
         except Exception as err:  # noqa: BLE001 - a lost lock, or a heartbeat to retry
-            if _objects.is_precondition_failed(err):
+            if object_store.is_precondition_failed(err):
                 self.lost = f"another run took over {self.store.child(LOCK_FILE).url}"
                 log.error("%s: this run no longer saves there", self.lost)
             else:
                 log.warning("heartbeat of %s failed: %s", self.store.url, err)
 
     def start_heartbeat(self, every_s: float = 60.0) -> None:
-        self._stop = threading.Event()
-        stop = self._stop
+        """Rewrite the lock every ``every_s`` seconds from a daemon thread until released (or
+        until the lock is lost)."""
+        self._heartbeat = Heartbeat(self._beat, every_s, name="lmc-store-lock")
 
-        def beat() -> None:
-            while not stop.wait(every_s):
-                self.heartbeat()
-
-        threading.Thread(target=beat, name="lmc-store-lock", daemon=True).start()
+    def _beat(self) -> bool:
+        self.heartbeat()
+        return self.lost is None
 
     def check(self) -> None:
         if self.lost is not None:
             raise RuntimeError(self.lost)
 
     def release(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._etag is None or self.lost is not None:
             return
         try:

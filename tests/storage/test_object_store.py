@@ -16,7 +16,7 @@ pytest.importorskip("boto3")
 
 
 def _store(bucket: str, prefix: str = "run", **options: Any) -> Any:
-    from lightning_mcore_ckpt.storage.objects import ObjectStore
+    from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
     return ObjectStore.from_url(f"s3://{bucket}/{prefix}", **options)
 
@@ -24,7 +24,7 @@ def _store(bucket: str, prefix: str = "run", **options: Any) -> Any:
 def test_large_files_go_up_in_parts_and_come_back_by_range(
     s3_bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
-    from lightning_mcore_ckpt.storage import objects as _objects
+    from lightning_mcore_ckpt.storage import remote_files
 
     data = os.urandom(12 << 20)
     (tmp_path / "shard.distcp").write_bytes(data)
@@ -34,30 +34,30 @@ def test_large_files_go_up_in_parts_and_come_back_by_range(
     assert etag.strip('"').endswith("-3")  # three parts of at most 5 MiB
     # Read through a remote file: requests of at most part_size, any offset.
     local = tmp_path / "view" / "shard.distcp"
-    _objects.register_remote(local, store, "big/shard.distcp", len(data))
-    assert _objects.size_of(local) == len(data) and not local.exists()
-    with _objects.open_read(local) as stream:
+    remote_files.register_remote(local, store, "big/shard.distcp", len(data))
+    assert remote_files.size_of(local) == len(data) and not local.exists()
+    with remote_files.open_read(local) as stream:
         assert stream.read() == data
         stream.seek(7 << 20)
         assert stream.read(10) == data[7 << 20 : (7 << 20) + 10]
         buffer = bytearray(6 << 20)
         stream.seek(1)
         assert stream.readinto(buffer) == len(buffer) and bytes(buffer) == data[1 : 1 + len(buffer)]
-    _objects.forget_remote(tmp_path / "view")
-    assert _objects.remote_size(local) is None
+    remote_files.forget_remote(tmp_path / "view")
+    assert remote_files.remote_size(local) is None
 
 
 def test_conditional_writes_and_missing_objects(s3_bucket: str) -> None:
-    from lightning_mcore_ckpt.storage import objects as _objects
+    from lightning_mcore_ckpt.storage import object_store
 
     store = _store(s3_bucket)
     etag = store.put_bytes("lock", b"a", if_none_match=True)
     with pytest.raises(Exception) as taken:
         store.put_bytes("lock", b"b", if_none_match=True)
-    assert _objects.is_precondition_failed(taken.value)
+    assert object_store.is_precondition_failed(taken.value)
     with pytest.raises(Exception) as moved:
         store.put_bytes("lock", b"c", if_match='"0123"')
-    assert _objects.is_precondition_failed(moved.value)
+    assert object_store.is_precondition_failed(moved.value)
     store.put_bytes("lock", b"d", if_match=etag)
     assert store.get_bytes("lock") == b"d"
     assert store.get_bytes("nothing") is None and store.head("nothing") is None

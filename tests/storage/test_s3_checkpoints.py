@@ -296,8 +296,8 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     from _cli import run_cli
 
     from lightning_mcore_ckpt.format import layout
-    from lightning_mcore_ckpt.storage import objects as _objects
     from lightning_mcore_ckpt.storage import publication as replica
+    from lightning_mcore_ckpt.storage import remote_files
 
     url = f"s3://{s3_bucket}/run"
     run_distributed(_fit, 2, str(hf_source), url, 4, None, {}, timeout=300, env=s3_server.env())
@@ -326,9 +326,9 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     mine = replica.open_view(f"{url}/global_step_2", rank=5)
     assert [p.name for p in mine.parent.iterdir()] == ["global_step_2"]
     assert [p.name for p in (mine / "extra").iterdir()] == ["rank_00000.pt"]
-    assert _objects.size_of(mine / "extra" / "rank_00001.pt")  # read by range if ever read
+    assert remote_files.size_of(mine / "extra" / "rank_00001.pt")  # read by range if ever read
     kept = next(k for k in s3_server.objects(s3_bucket) if "global_step_2/model/__" in k)
-    with _objects.open_read(view / kept.split("/", 1)[1]) as stream:
+    with remote_files.open_read(view / kept.split("/", 1)[1]) as stream:
         stream.seek(100)
         body = client.get_object(Bucket=s3_bucket, Key=kept)["Body"].read()
         assert stream.read(1000) == body[100:1100]
@@ -344,7 +344,7 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
 
 
 def test_one_writer_per_store_prefix(s3_server: Any, s3_bucket: str, hf_source: Path) -> None:
-    from lightning_mcore_ckpt.storage.objects import ObjectStore
+    from lightning_mcore_ckpt.storage.object_store import ObjectStore
     from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
     url = f"s3://{s3_bucket}/run"

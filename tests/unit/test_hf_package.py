@@ -30,7 +30,7 @@ ALLOWED = {
     "lightning_mcore_ckpt.storage.atomic",
     "lightning_mcore_ckpt._compat",
     "lightning_mcore_ckpt._cpu",
-    "lightning_mcore_ckpt.storage.objects",
+    "lightning_mcore_ckpt.storage.remote_files",
     "lightning_mcore_ckpt.training.parallel",
     "lightning_mcore_ckpt.safety.safe_dcp",
     "lightning_mcore_ckpt.safety.safe_load",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,10 +52,23 @@ def verify_export(
         result = verify_export("qwen-sft", "checkpoints/sft/global_step_3000")
         assert result.ok, result.problems
     """
-    from safetensors import safe_open
-
     out_dir = Path(exported).expanduser()
     ref = Path(reference).expanduser()
+    _check_arguments(out_dir, atol)
+    result = VerifyResult(atol=atol)
+    files = safetensors_files(out_dir)
+    names = {n for ns in files.values() for n in ns}
+    theirs = _open_reference(out_dir, ref)
+    for name in sorted(names - theirs.names):
+        result.problems.append(f"{name}: only in {out_dir}")
+    for name in sorted(theirs.names - names):
+        result.problems.append(f"{name}: only in {ref}")
+    for file, file_names in files.items():
+        _compare_file(out_dir / file, [n for n in file_names if n in theirs.names], theirs, result)
+    return result
+
+
+def _check_arguments(out_dir: Path, atol: object) -> None:
     if not (out_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"verify: {out_dir} is not a Hugging Face directory (no config.json)"
@@ -68,67 +82,83 @@ def verify_export(
         raise ValueError(
             f"verify: atol={atol!r} (--atol): pass a finite number >= 0 (0: bit-identical)"
         )
-    result = VerifyResult(atol=atol)
-    files = safetensors_files(out_dir)
-    names = {n for ns in files.values() for n in ns}
+
+
+class _Reference(NamedTuple):
+    """The side an export is compared with: its tensor names, a reader of some of them, and
+    whether they are cast to the exported dtypes first (a step converted on the fly)."""
+
+    names: set[str]
+    tensors: Callable[[Sequence[str]], dict[str, torch.Tensor]]
+    cast_to_exported: bool
+
+
+def _open_reference(out_dir: Path, ref: Path) -> _Reference:
     if (ref / layout.MODEL_DIR).is_dir():
-        bridge = HFBridge(out_dir, argument="verify")
-        # A step with LoRA adapters is compared as its merged export (the default export).
-        reader = open_adapters(CheckpointReader(ref / layout.MODEL_DIR), ref, "merged", None)
-        plan = plan_export(bridge, reader, ref, DEFAULT_MAX_SHARD_BYTES, None)
-        ref_names = set(plan.sources)
+        return _step_reference(out_dir, ref)
+    if (ref / "config.json").is_file():
+        return _hf_reference(ref)
+    raise FileNotFoundError(
+        f"verify: --reference {ref} is neither a Hugging Face directory (config.json) nor a "
+        f"step directory ({layout.MODEL_DIR}/)"
+    )
 
-        def reference_tensors(wanted: Sequence[str]) -> dict[str, torch.Tensor]:
-            slices = {plan.sources[n][0]: plan.sources[n][1] for n in wanted}
-            got: dict[str, torch.Tensor] = {}
-            for mcore_name, tensor in reader.read(slices).items():
-                got.update(bridge.to_hf(mcore_name, tensor))
-            return {n: got[n] for n in wanted}
 
-        cast_to_exported = True
-    elif (ref / "config.json").is_file():
-        ref_files = safetensors_files(ref)
-        where = {n: ref / f for f, ns in ref_files.items() for n in ns}
-        ref_names = set(where)
+def _step_reference(out_dir: Path, step: Path) -> _Reference:
+    """A step, converted with the exported directory's config as the export would be."""
+    bridge = HFBridge(out_dir, argument="verify")
+    # A step with LoRA adapters is compared as its merged export (the default export).
+    reader = open_adapters(CheckpointReader(step / layout.MODEL_DIR), step, "merged", None)
+    plan = plan_export(bridge, reader, step, DEFAULT_MAX_SHARD_BYTES, None)
 
-        def reference_tensors(wanted: Sequence[str]) -> dict[str, torch.Tensor]:
-            got = {}
-            for n in wanted:
-                with safe_open(str(where[n]), framework="pt") as f:
-                    got[n] = f.get_tensor(n)
-            return got
+    def tensors(wanted: Sequence[str]) -> dict[str, torch.Tensor]:
+        slices = {plan.sources[n][0]: plan.sources[n][1] for n in wanted}
+        got: dict[str, torch.Tensor] = {}
+        for mcore_name, tensor in reader.read(slices).items():
+            got.update(bridge.to_hf(mcore_name, tensor))
+        return {n: got[n] for n in wanted}
 
-        cast_to_exported = False
-    else:
-        raise FileNotFoundError(
-            f"verify: --reference {ref} is neither a Hugging Face directory (config.json) nor a "
-            f"step directory ({layout.MODEL_DIR}/)"
-        )
-    for name in sorted(names - ref_names):
-        result.problems.append(f"{name}: only in {out_dir}")
-    for name in sorted(ref_names - names):
-        result.problems.append(f"{name}: only in {ref}")
-    for file, file_names in files.items():
-        common = [n for n in file_names if n in ref_names]
-        theirs = reference_tensors(common)
-        with safe_open(str(out_dir / file), framework="pt") as f:
-            for name in common:
-                mine = f.get_tensor(name)
-                other = theirs.pop(name)
-                if cast_to_exported:
-                    other = other.to(mine.dtype)
-                result.compared += 1
-                if mine.shape != other.shape:
-                    result.problems.append(
-                        f"{name}: shape {list(mine.shape)} != {list(other.shape)}"
-                    )
-                    continue
-                if mine.dtype != other.dtype:
-                    result.problems.append(f"{name}: dtype {mine.dtype} != {other.dtype}")
-                    continue
-                diff = (mine.double() - other.double()).abs().max().item() if mine.numel() else 0.0
-                if diff != diff:  # NaN
-                    diff = math.inf
-                if diff > result.max_abs_diff:
-                    result.max_abs_diff, result.worst = diff, name
-    return result
+    return _Reference(set(plan.sources), tensors, cast_to_exported=True)
+
+
+def _hf_reference(hf_dir: Path) -> _Reference:
+    """Another Hugging Face directory, read as it is."""
+    from safetensors import safe_open
+
+    where = {n: hf_dir / f for f, ns in safetensors_files(hf_dir).items() for n in ns}
+
+    def tensors(wanted: Sequence[str]) -> dict[str, torch.Tensor]:
+        got = {}
+        for n in wanted:
+            with safe_open(str(where[n]), framework="pt") as f:
+                got[n] = f.get_tensor(n)
+        return got
+
+    return _Reference(set(where), tensors, cast_to_exported=False)
+
+
+def _compare_file(
+    file: Path, common: Sequence[str], reference: _Reference, result: VerifyResult
+) -> None:
+    """Compare the tensors of one exported file that the reference also has, into ``result``."""
+    from safetensors import safe_open
+
+    theirs = reference.tensors(common)
+    with safe_open(str(file), framework="pt") as f:
+        for name in common:
+            mine = f.get_tensor(name)
+            other = theirs.pop(name)
+            if reference.cast_to_exported:
+                other = other.to(mine.dtype)
+            result.compared += 1
+            if mine.shape != other.shape:
+                result.problems.append(f"{name}: shape {list(mine.shape)} != {list(other.shape)}")
+                continue
+            if mine.dtype != other.dtype:
+                result.problems.append(f"{name}: dtype {mine.dtype} != {other.dtype}")
+                continue
+            diff = (mine.double() - other.double()).abs().max().item() if mine.numel() else 0.0
+            if diff != diff:  # NaN
+                diff = math.inf
+            if diff > result.max_abs_diff:
+                result.max_abs_diff, result.worst = diff, name

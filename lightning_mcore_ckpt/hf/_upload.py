@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.format.integrity import check_hashes
 from lightning_mcore_ckpt.hf._verify import verify_export
 
@@ -166,34 +166,17 @@ def upload_export(
             if not checked:  # before anything is sent
                 _check(folder, step_path)
                 checked = True
-            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-            if (
-                private
-                and getattr(api.repo_info(repo_id, repo_type="model"), "private", None) is False
-            ):
-                raise _Refused(
-                    f"{repo_id} exists and is public, and private=True was asked: make it "
-                    "private on the Hub, or pass private=False (--no-private)"
-                )
-            commit = api.upload_folder(
-                repo_id=repo_id,
-                folder_path=str(folder),
-                repo_type="model",
-                revision=revision,
-                commit_message=f"{name}: Hugging Face export by lightning-mcore-ckpt",
-                delete_patterns=_REPLACED,
-            )
+            commit = _push(api, folder, repo_id, private, revision, name)
         except _Refused as err:
             raise UploadError(f"upload of {name} to {repo_id} refused: {err}") from None
         except Exception as err:  # noqa: BLE001 - network, server, auth: retried, then raised
             error = err
-            message = _redact(f"{type(err).__name__}: {err}")
             if attempt == attempts:
                 break
             delay = BACKOFF_S * 2 ** (attempt - 1)
             log.warning(
                 "upload of %s to %s (%s), attempt %d/%d failed: %s; retrying in %.3gs",
-                name, repo_id, api.endpoint, attempt, attempts, message, delay,
+                name, repo_id, api.endpoint, attempt, attempts, _describe(err), delay,
             )  # fmt: skip
             sleep(delay)
             continue
@@ -206,18 +189,43 @@ def upload_export(
     assert error is not None
     raise UploadError(
         f"upload of {name} ({folder}) to {repo_id} failed after {attempts} attempt(s): "
-        f"{_redact(f'{type(error).__name__}: {error}')}; the step is intact on disk: upload it "
+        f"{_describe(error)}; the step is intact on disk: upload it "
         f"with `lightning-mcore-ckpt export {step_path} --hf-model <model> --out <dir> "
         f"--upload-to {repo_id}`"
     ) from None
+
+
+def _describe(err: BaseException) -> str:
+    return _redact(f"{type(err).__name__}: {err}")
+
+
+def _push(
+    api: Any, folder: Path, repo_id: str, private: bool, revision: str | None, name: str
+) -> Any:
+    """One attempt: the repository (created, or reused unless public when ``private``), then
+    ``folder`` as one commit naming the step ``name``; the commit's information."""
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if private and getattr(api.repo_info(repo_id, repo_type="model"), "private", None) is False:
+        raise _Refused(
+            f"{repo_id} exists and is public, and private=True was asked: make it "
+            "private on the Hub, or pass private=False (--no-private)"
+        )
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        repo_type="model",
+        revision=revision,
+        commit_message=f"{name}: Hugging Face export by lightning-mcore-ckpt",
+        delete_patterns=_REPLACED,
+    )
 
 
 def _check(folder: Path, step: Path) -> None:
     # A step's own huggingface/, sealed by the export's commit: the bytes must be the committed
     # ones (any export kind). Anything else: tensor by tensor against the step.
     if (step / layout.MODEL_DIR).is_dir() and not layout.is_complete(step):
-        raise _Refused(f"{step} is not a complete step (no valid {layout.METADATA_FILE})")
-    hashes = ((layout.read_metadata(step) or {}).get("hashes") or {}).items()
+        raise _Refused(f"{step} is not a complete step (no valid {markers.METADATA_FILE})")
+    hashes = ((markers.read_metadata(step) or {}).get("hashes") or {}).items()
     sealed = {k: v for k, v in hashes if k.startswith(f"{layout.HF_DIR}/")}
     if sealed and folder.resolve() == (step / layout.HF_DIR).resolve():
         problems = check_hashes(step, sealed)

@@ -37,7 +37,16 @@ _BAD_FORK = "Cannot re-initialize CUDA in forked subprocess"
 
 
 class DistributedFailure(RuntimeError):
-    """A rank of :func:`run_distributed` raised, died, or did not finish in time."""
+    """A rank of :func:`run_distributed` raised, died, or did not finish in time.
+
+    Its message names the rank and carries its traceback (or its exit code, or the ranks that
+    did not finish).
+
+    Example::
+
+        with pytest.raises(DistributedFailure, match="rank 1 of 2 failed"):
+            run_distributed(fails_on_rank_1, 2)
+    """
 
 
 _LOWEST_PORT = 20000
@@ -71,6 +80,10 @@ def find_free_port() -> int:
     of them could take it between this call and the rendezvous store's ``bind``, which then
     fails with ``EADDRINUSE``. Below that range only a process that asks for the port by number
     gets it, and the pick is random, so that jobs started at once do not pick the same.
+
+    Example::
+
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
     """
     low, _ = _ephemeral_ports()
     if low - 1 > _LOWEST_PORT:

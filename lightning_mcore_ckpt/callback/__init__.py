@@ -1,14 +1,21 @@
 """``MegatronCheckpoint``: Lightning's ``ModelCheckpoint`` for Megatron-Core steps.
 
-- ``_config``: its options and their checks; ``_checkpoint``: the callback (Lightning's
-  seams); ``_state``: its state (key, what a step carries, pickling); ``_commit``: the commit
-  of a step, retention, exports; ``_preemption``: signals; ``_loops``: Lightning's loop state
-  at a save and a resume; ``_setup``: checks at start.
+- ``checkpoint``: the callback, whole (Lightning's seams: when, which, how);
+- ``_config``: its options (``CheckpointConfig``, their ``Literal`` types) and their checks;
+- ``timing``: ``SaveTiming``, where a save Lightning's triggers ask for may land;
+- ``preemption``: ``Preemption``, the signals every rank agrees on;
+- ``startup``: the checks and the locks when a run starts;
+- ``_loops``: Lightning's loop state at a save and a resume;
+- ``bookkeeping``: Lightning's best/last bookkeeping for steps that commit later or fail;
+- ``legacy_state``: the callback's state in a step of the previous release;
+- ``_commit``: the commit of a step (write, seal, publish to each tier), retention, exports
+  (``_intent``: what a save asks for; ``_export``: the Hugging Face export; ``_tier``: a
+  ``dirpath``'s tiers and retention across them).
 """
 
 from __future__ import annotations
 
-from lightning_mcore_ckpt.callback._checkpoint import MegatronCheckpoint
 from lightning_mcore_ckpt.callback._config import SAVE_CONTENTS, CheckpointConfig
+from lightning_mcore_ckpt.callback.checkpoint import MegatronCheckpoint
 
 __all__ = ["SAVE_CONTENTS", "CheckpointConfig", "MegatronCheckpoint"]

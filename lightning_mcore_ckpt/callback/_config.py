@@ -1,4 +1,9 @@
-"""``CheckpointConfig``: every option of :class:`MegatronCheckpoint`, checked in one place."""
+"""``CheckpointConfig``: every option of :class:`MegatronCheckpoint`, checked in one place.
+
+The options that take one of a few strings have ``Literal`` types (:data:`Mode`,
+:data:`OnSaveError`, :data:`Durability`, :data:`Content`): a type checker and LightningCLI
+refuse other values, and :class:`CheckpointConfig` refuses them at run time with the fix.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,34 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.storage import object_store
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
-from lightning_mcore_ckpt.storage.publication import DURABILITY
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.hf import HFExport
 
-__all__ = ["SAVE_CONTENTS", "CheckpointConfig"]
+__all__ = [
+    "SAVE_CONTENTS",
+    "CheckpointConfig",
+    "Content",
+    "Durability",
+    "Mode",
+    "OnSaveError",
+]
 
-SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+Content = Literal["model", "optimizer", "extra", "hf_model"]
+"""A name in ``save_contents``."""
+Mode = Literal["min", "max"]
+"""Which ``monitor`` values are best."""
+OnSaveError = Literal["raise", "warn"]
+"""What a failed save does to the run."""
+Durability = Literal["store", "local"]
+"""When a step of an object-store ``dirpath`` counts as saved."""
+
+SAVE_CONTENTS: tuple[Content, ...] = get_args(Content)
 """Names accepted in ``save_contents``."""
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -57,12 +77,14 @@ def _check_writable(root: Path, given: Any) -> None:
         ) from None
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """The options of :class:`~lightning_mcore_ckpt.MegatronCheckpoint`.
 
-    ``MegatronCheckpoint(**options)`` builds one; every check, including those across fields,
-    runs in ``__post_init__``, before anything is created on disk.
+    ``MegatronCheckpoint(**options)`` builds one, ``checkpoint.config``: the one place the
+    callback reads its options from (Lightning's ``ModelCheckpoint`` keeps its own copy of the
+    options it shares). Every check, including those across fields, runs in ``__post_init__``,
+    before anything is created on disk; the fields cannot be changed afterwards.
 
     Example::
 
@@ -83,11 +105,11 @@ class CheckpointConfig:
     every_n_epochs: int | None = None
     """Save at the end of every N-th epoch (after validation when it runs); ``0`` disables it.
     With none of the three set, the default is every epoch, as in Lightning."""
-    save_contents: Sequence[str] = ("model", "optimizer", "extra")
+    save_contents: Sequence[Content] = ("model", "optimizer", "extra")
     """What each step holds: ``"model"`` (sharded weights), ``"optimizer"`` (sharded optimizer
     state; LR schedulers are in Lightning's state), ``"extra"`` (RNG, every rank's dataloader
     state, loops and callbacks), ``"hf_model"`` (a Hugging Face copy of the weights, with
-    ``hf_export``)."""
+    ``hf_export``). Kept as a tuple."""
     max_to_keep: int | None = None
     """Keep the newest N complete steps, on top of the ones Lightning's bookkeeping keeps
     (``best_k_models``, ``best_model_path``, ``last_model_path``); ``None``: no limit."""
@@ -97,7 +119,7 @@ class CheckpointConfig:
     """As in Lightning: keep the best k steps by ``monitor`` (``-1``: all, ``0``: none). Without
     ``monitor``, ``1`` keeps only the newest step. Default: ``1`` with a ``monitor`` (Lightning's
     default), and every step without one (Lightning would keep one)."""
-    mode: str = "min"
+    mode: Mode = "min"
     """``"min"`` or ``"max"``: which ``monitor`` values are best."""
     save_last: bool = True
     """As in Lightning, the newest step is kept as ``last_model_path`` at every save; also, the
@@ -111,7 +133,7 @@ class CheckpointConfig:
     data-parallel size is refused unless the loader uses
     :class:`~lightning_mcore_ckpt.ElasticSampler`, or this is ``False`` (the epoch's data order
     then restarts)."""
-    on_save_error: str = "raise"
+    on_save_error: OnSaveError = "raise"
     """``"raise"``: a failed save stops the run with
     :class:`~lightning_mcore_ckpt.CheckpointSaveError`. ``"warn"``: it is logged, counted in the
     ``checkpoint/failed`` metric, and training goes on. Either way the failed step never becomes
@@ -134,6 +156,8 @@ class CheckpointConfig:
     save_on_train_epoch_end: bool | None = None
     """As in Lightning: with ``every_n_epochs``, save at the end of the training epoch
     (``True``) or after validation (``False``); ``None`` decides as Lightning does."""
+    verbose: bool = False
+    """As in Lightning: log each save's ranking (``monitor``, ``save_top_k``)."""
     overwrite: bool = False
     """A new run (``fit`` without ``ckpt_path``) into a ``dirpath`` that holds complete steps is
     refused before any work. ``True`` replaces them: a step this run saves replaces the one of
@@ -144,7 +168,7 @@ class CheckpointConfig:
     committed first, then published to the store in the background; its steps follow the same
     retention. ``None``: a staging directory under the system's temporary directory, from which
     each step is removed once published."""
-    durability: str = "store"
+    durability: Durability = "store"
     """With an object-store ``dirpath``, when a step counts as saved (``"last"`` may name it,
     its save metrics are logged): ``"store"``, once its marker is in the store; ``"local"``,
     once it is committed in ``local_dir`` (its upload follows; needs ``local_dir``)."""
@@ -195,7 +219,7 @@ class CheckpointConfig:
                 "save_on_preemption=True saves on SIGTERM/SIGUSR1; save more often with "
                 "every_n_train_steps or train_time_interval. Pass save_on_exception=False",
             )
-        if self.on_save_error not in ("raise", "warn"):
+        if self.on_save_error not in get_args(OnSaveError):
             raise _fail(
                 "on_save_error",
                 self.on_save_error,
@@ -229,7 +253,7 @@ class CheckpointConfig:
             if getattr(self, name) != _DEFAULTS[name]:
                 raise _fail(name, getattr(self, name), "only applies to an s3:// dirpath")
         # Only a leading "~" is the home directory ("./~/ckpts" is a directory named "~").
-        self.root = Path(os.path.realpath(os.path.expanduser(str(given))))
+        self._set("root", Path(os.path.realpath(os.path.expanduser(str(given)))))
         if self.root.exists() and not self.root.is_dir():
             raise _fail(
                 "dirpath",
@@ -239,8 +263,8 @@ class CheckpointConfig:
 
     def _check_store(self, url: str) -> None:
         object_store.require_client("MegatronCheckpoint(dirpath", url)
-        if self.durability not in DURABILITY:
-            raise _fail("durability", self.durability, f"use one of {list(DURABILITY)}")
+        if self.durability not in get_args(Durability):
+            raise _fail("durability", self.durability, f"use one of {list(get_args(Durability))}")
         if self.durability == "local" and self.local_dir is None:
             raise _fail(
                 "durability",
@@ -252,18 +276,19 @@ class CheckpointConfig:
         if self.upload_part_mb < 5:
             raise _fail("upload_part_mb", self.upload_part_mb, "S3 parts are at least 5 MiB")
         try:
-            self.store = ObjectStore.from_url(
+            store = ObjectStore.from_url(
                 url, concurrency=self.upload_concurrency, part_size=self.upload_part_mb << 20
             )
         except ValueError as err:
             raise _fail("dirpath", url, str(err)) from None
         if self.overwrite:
             raise _fail("overwrite", True, "is not supported with an s3:// dirpath yet")
+        self._set("store", store)
         local = self.local_dir
         if local is None:
-            local = Path(tempfile.gettempdir(), "lightning-mcore-ckpt", self.store.bucket)
-            local = local / (self.store.prefix or "_")
-        self.root = Path(os.path.realpath(os.path.expanduser(str(local))))
+            local = Path(tempfile.gettempdir(), "lightning-mcore-ckpt", store.bucket)
+            local = local / (store.prefix or "_")
+        self._set("root", Path(os.path.realpath(os.path.expanduser(str(local)))))
         if self.root.exists() and not self.root.is_dir():
             raise _fail("local_dir", str(local), "it is a file, not a directory")
 
@@ -301,6 +326,7 @@ class CheckpointConfig:
             )
         if len(set(listed)) != len(listed):
             raise _fail("save_contents", listed, "names repeat; list each once")
+        self._set("save_contents", tuple(listed))
         if "model" not in listed:
             raise _fail(
                 "save_contents",
@@ -324,7 +350,7 @@ class CheckpointConfig:
             )
 
     def _check_ranking(self) -> None:
-        if self.mode not in ("min", "max"):
+        if self.mode not in get_args(Mode):
             raise _fail("mode", self.mode, "use 'min' or 'max'")
         if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
             raise _fail("monitor", self.monitor, "the name of a logged metric, or None")
@@ -339,6 +365,10 @@ class CheckpointConfig:
                 "newest), 0 (none), or pass monitor=",
             )
 
+    def _set(self, name: str, value: Any) -> None:
+        # The fields are frozen once checked; __post_init__ resolves and normalises them first.
+        object.__setattr__(self, name, value)
+
     @property
     def top_k(self) -> int:
         """``save_top_k`` as Lightning takes it (the default resolved)."""
@@ -351,3 +381,12 @@ class CheckpointConfig:
         """``train_time_interval`` as Lightning takes it (``timedelta(0)`` is disabled)."""
         interval = self.train_time_interval
         return interval if interval is not None and interval.total_seconds() > 0 else None
+
+    @property
+    def epochs(self) -> int | None:
+        """``every_n_epochs`` as Lightning takes it: a disabled ``train_time_interval``
+        (``timedelta(0)``) is still a choice of cadence, so no ``every_n_epochs`` is 0 then, not
+        "every epoch"."""
+        if self.train_time_interval is not None and self.interval is None:
+            return 0 if self.every_n_epochs is None else self.every_n_epochs
+        return self.every_n_epochs

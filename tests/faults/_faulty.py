@@ -133,7 +133,7 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from lightning_mcore_ckpt.engine import CheckpointWriter
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import layout, markers
     from lightning_mcore_ckpt.storage import atomic as _atomic
 
     if point in ("model_shards", "optim_shards"):
@@ -187,7 +187,7 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
         original_write = _atomic.write_text
 
         def write_text_atomic(path: Any, text: str) -> None:
-            if Path(path).name == layout.METADATA_FILE and _target(path):
+            if Path(path).name == markers.METADATA_FILE and _target(path):
                 act()
             original_write(path, text)
 
@@ -230,7 +230,7 @@ def _signal_and_hold(
     signum = signal.Signals[name]
     if until not in ("caught", "agreed"):
         raise ValueError(f"{action!r}: hold until 'caught' or 'agreed', not {until!r}")
-    from lightning_mcore_ckpt.callback import _preemption
+    from lightning_mcore_ckpt.callback import preemption as _preemption
 
     # The kernel may hand a process's signal to any of its threads: to the writer thread that
     # sent it, while the main thread waits for that writer's file (a sync save), Python runs the

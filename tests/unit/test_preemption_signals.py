@@ -16,7 +16,7 @@ import pytest
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
 from lightning_mcore_ckpt import MegatronCheckpoint
-from lightning_mcore_ckpt.callback._preemption import Preemption
+from lightning_mcore_ckpt.callback.preemption import Preemption
 
 
 def _trainer(environment: Any) -> Any:

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt.errors import ConfigurationError
-from lightning_mcore_ckpt.format import layout, metrics
+from lightning_mcore_ckpt.format import metrics
 from lightning_mcore_ckpt.storage.lock import DirectoryLock
-from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_mcore_ckpt.callback._tier import StoreTier
     from lightning_mcore_ckpt.hf import HFExport
+    from lightning_mcore_ckpt.storage.tier import Tier
 
 __all__ = [
     "acquire_lock",
     "agree_on_last",
     "check_hf_export",
     "has_last",
-    "open_tier",
+    "open_tiers",
     "refuse_another_runs_steps",
     "refuse_uploading_loggers",
 ]
@@ -30,7 +29,7 @@ __all__ = [
 
 def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock | None:
     """Rank 0 creates ``root`` and, for ``fit``, takes its lock and starts its heartbeat
-    (:class:`~lightning_mcore_ckpt.format.layout.DirectoryLock`: a requeue of the same job takes over
+    (:class:`~lightning_mcore_ckpt.storage.lock.DirectoryLock`: a requeue of the same job takes over
     at once). Collective: every rank raises the same error when the directory is in use by
     another run."""
     problem, lock = None, None
@@ -52,31 +51,28 @@ def acquire_lock(trainer: pl.Trainer, root: Path, stage: str) -> DirectoryLock |
 
 
 def refuse_another_runs_steps(
-    trainer: pl.Trainer,
-    root: Path,
-    tier: StoreTier | None,
-    own: Collection[int] = (),
+    trainer: pl.Trainer, tiers: Sequence[Tier], own: Collection[int] = ()
 ) -> None:
-    """A ``fit`` that starts from scratch (no checkpoint was loaded) in a directory (or a store)
-    holding complete steps. Collective: rank 0 looks, every rank raises the same error.
+    """A ``fit`` that starts from scratch (no checkpoint was loaded) in a directory (or a store:
+    the persistent tier, the last of ``tiers``) holding complete steps. Collective: rank 0 looks, every rank raises the same error.
 
     ``own``: the steps this callback committed in earlier fits (rank 0). A Trainer fitted again
     (its ``global_step`` past 0) whose newest step there is one of them continues its run, as
     Lightning's does."""
     problem = None
     if trainer.is_global_zero:
-        steps = layout.complete_steps(root) if tier is None else tier.complete_steps()
-        root = root if tier is None else tier.store.url  # type: ignore[assignment]
+        steps = tiers[-1].complete_steps()
         continues = bool(steps) and trainer.global_step > 0 and steps[-1].step in own
-        problem = _another_run(root, steps[-1].path.name) if steps and not continues else None
+        newest = steps[-1].path.name if steps and not continues else None
+        problem = None if newest is None else _another_run(tiers[-1].where, newest)
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
         raise ConfigurationError(problem)
 
 
-def _another_run(root: Path, newest: str) -> str:
+def _another_run(where: str, newest: str) -> str:
     return (
-        f"MegatronCheckpoint(dirpath={str(root)!r}): "
+        f"MegatronCheckpoint(dirpath={where!r}): "
         f"it holds complete steps of another run (newest: {newest}), and this "
         'fit starts from scratch (no ckpt_path): its saves would mix with them and "last" '
         'could serve theirs. Resume that run with trainer.fit(..., ckpt_path="last"), choose '
@@ -120,30 +116,27 @@ def check_hf_export(export: HFExport, strategy: Any, pl_module: pl.LightningModu
     )
 
 
-def open_tier(trainer: pl.Trainer, tier: StoreTier | None, stage: str) -> None:
-    """An object-store ``dirpath``: rank 0 takes the store's lock for ``fit`` (every rank raises
-    the same error when another run holds it); the strategy finds "last" through the tier."""
-    if tier is None:
-        return
+def open_tiers(trainer: pl.Trainer, tiers: Sequence[Tier], stage: str) -> None:
+    """Rank 0 takes each tier's lock for ``fit`` (an object store's; every rank raises the same
+    error when another run holds one); the strategy finds "last" through the tiers."""
     problem = None
     if trainer.is_global_zero and stage == "fit":
-        tier.lock = StoreLock(tier.store)
-        try:
-            tier.lock.acquire()
-        except Exception as err:  # noqa: BLE001 - the same error on every rank
-            problem, tier.lock = f"{type(err).__name__}: {err}", None
-        else:
-            tier.lock.start_heartbeat()
+        for tier in tiers:
+            try:
+                tier.acquire()
+            except Exception as err:  # noqa: BLE001 - the same error on every rank
+                problem = f"MegatronCheckpoint(dirpath={tier.where!r}): {type(err).__name__}: {err}"
+                break
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
-        raise RuntimeError(f"MegatronCheckpoint(dirpath={tier.store.url!r}): {problem}")
-    trainer.strategy.checkpoint_sources[str(tier.root)] = tier  # type: ignore[attr-defined]
+        raise RuntimeError(problem)
+    for tier in tiers:
+        tier.register(trainer.strategy.checkpoint_sources)  # type: ignore[attr-defined]
 
 
-def has_last(
-    trainer: pl.Trainer, contents: tuple[str, ...], root: Path, tier: StoreTier | None
-) -> bool:
-    """``fit(ckpt_path="last")``: whether there is a step to resume (every rank).
+def has_last(trainer: pl.Trainer, contents: tuple[str, ...], tiers: Sequence[Tier]) -> bool:
+    """``fit(ckpt_path="last")``: whether there is a step to resume (every rank), in the
+    persistent tier (the last of ``tiers``).
 
     Which step is decided once, when the strategy loads: rank 0 picks the newest step that is
     undamaged and every rank gets its choice (or its error). Here every rank only says whether
@@ -159,10 +152,7 @@ def has_last(
             "Add them to save_contents, or start a new run from the weights with "
             "MegatronStrategy(init_from=<step directory>)"
         )
-    if tier is None:
-        return bool(layout.complete_steps(root))
-    root.mkdir(parents=True, exist_ok=True)  # Lightning looks at the path it is given
-    return tier.has_last()
+    return tiers[-1].has_last()
 
 
 def agree_on_last(trainer: pl.Trainer, root: Path, found: bool | None) -> None:

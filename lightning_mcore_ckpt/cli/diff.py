@@ -16,19 +16,23 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from lightning_mcore_ckpt.cli.failure import fail
 from lightning_mcore_ckpt.format import layout
 
-__all__ = ["StepDiff", "TensorDiff", "diff_steps"]
+if TYPE_CHECKING:  # torch is imported where a comparison runs: the parser imports this module
+    import torch
+
+__all__ = ["StepDiff", "TensorDiff", "add_parsers", "diff_steps"]
 
 
 @dataclass
@@ -97,6 +101,8 @@ class StepDiff:
 
 def _rows(md: Any, chunk_bytes: int) -> Iterator[tuple[int, int]]:
     """``(first row, rows)`` slices of a tensor along its first axis, ``chunk_bytes`` each."""
+    import torch
+
     shape = list(md.size)
     if not shape:
         yield 0, 0
@@ -109,6 +115,7 @@ def _rows(md: Any, chunk_bytes: int) -> Iterator[tuple[int, int]]:
 
 def _read(reader: Any, key: str, md: Any, start: int, rows: int) -> torch.Tensor:
     """Rows ``start:start+rows`` of a checkpoint tensor (all of a 0-d one)."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -149,6 +156,8 @@ def _read(reader: Any, key: str, md: Any, start: int, rows: int) -> torch.Tensor
 
 
 def _compare(a: torch.Tensor, b: torch.Tensor, found: TensorDiff, scale: list[float]) -> None:
+    import torch
+
     x, y = a.double(), b.double()
     both_nan = torch.isnan(x) & torch.isnan(y)
     unequal = (x != y) & ~both_nan
@@ -161,9 +170,9 @@ def _compare(a: torch.Tensor, b: torch.Tensor, found: TensorDiff, scale: list[fl
 
 
 def _diff_part(a: Path, b: Path, part: str, chunk_bytes: int, result: StepDiff) -> None:
-    from lightning_mcore_ckpt.hf._reader import CheckpointReader
+    from lightning_mcore_ckpt.hf._reader import SliceReader
 
-    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    ra, rb = SliceReader(a), SliceReader(b)
     keys_a, keys_b = set(ra.tensors), set(rb.tensors)
     result.only_a += sorted(f"{part}/{k}" for k in keys_a - keys_b)
     result.only_b += sorted(f"{part}/{k}" for k in keys_b - keys_a)
@@ -211,3 +220,54 @@ def diff_steps(
             raise FileNotFoundError(f"--optimizer: {', '.join(missing)} does not exist")
         _diff_part(da, db, part, chunk_bytes, result)
     return result
+
+
+def add_parsers(commands: Any) -> None:
+    """Add ``diff`` to the command line's subparsers."""
+    compare = commands.add_parser(
+        "diff",
+        help="compare two steps tensor by tensor (any layouts), in bounded memory",
+        description="Compare the weights of two steps (and with --optimizer, the optimizer "
+        "state), whatever layouts saved them: keys only in A or only in B, shape and dtype "
+        "changes, and per tensor the elements that differ, the largest |a-b| and its size "
+        "relative to the largest |a|. Read slice by slice (--chunk-mib per step at a time). "
+        "Exit code 0 when identical, 1 when they differ.",
+    )
+    compare.add_argument("a", help="a step directory")
+    compare.add_argument("b", help="another step directory")
+    compare.add_argument("--optimizer", action="store_true", help="also compare optim/")
+    compare.add_argument(
+        "--chunk-mib", type=float, default=64, help="MiB of a tensor read at once (default 64)"
+    )
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.set_defaults(handler=_diff)
+
+
+def _diff(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.chunk_mib <= 0:
+        return fail(f"--chunk-mib: {args.chunk_mib} is not a positive size")
+    try:
+        result = diff_steps(
+            args.a, args.b, optimizer=args.optimizer, chunk_bytes=int(args.chunk_mib * 2**20)
+        )
+    except (FileNotFoundError, ValueError) as err:
+        return fail(err)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0 if result.identical else 1
+    for key in result.only_a:
+        print(f"only in A: {key}")
+    for key in result.only_b:
+        print(f"only in B: {key}")
+    for change in result.changed:
+        print(f"changed:   {change}")
+    for t in result.differing:
+        print(
+            f"differs:   {t.part}/{t.key} {t.shape} {t.dtype}: {t.differing} of {t.numel} "
+            f"elements, max |a-b| {t.max_abs:.6g} ({t.max_rel:.3g} of max |a|)"
+        )
+    print(
+        f"compared {len(result.tensors)} tensors: {len(result.differing)} differ"
+        + ("; identical" if result.identical else "")
+    )
+    return 0 if result.identical else 1

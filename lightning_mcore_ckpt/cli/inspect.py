@@ -3,8 +3,9 @@
 Answered from metadata only, on one CPU process, in seconds: the commit marker, each
 dist-checkpoint's index (``.metadata``: keys, global shapes, dtypes; no shard file is opened),
 the ``extra/`` files (RNG and Lightning's state: a few KB per rank) and the Hugging Face copy's
-``config.json`` and safetensors headers. The model a config builds is built on the meta device
-(no weights). Whether the step's files are whole is ``fsck``'s question, not this one's.
+``config.json`` and safetensors headers. The model a LightningCLI config builds
+(:func:`spec_from_config`, for ``--config``) is built on the meta device (no weights). Whether
+the step's files are whole is ``fsck``'s question, not this one's.
 
 Every finding is a :class:`Finding`; a blocker (``blocker=True``) says what would fail or go
 wrong, and how to fix it (see :func:`inspect_step`).
@@ -12,6 +13,7 @@ wrong, and how to fix it (see :func:`inspect_step`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -22,12 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt.callback._loops import between_epochs
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.cli.failure import fail
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 
-__all__ = ["SIZES", "Finding", "Inspection", "ModelSpec", "inspect_step"]
+__all__ = [
+    "SIZES",
+    "Finding",
+    "Inspection",
+    "ModelSpec",
+    "add_parsers",
+    "inspect_step",
+    "spec_from_config",
+]
 
 SIZES = (
     "tensor_model_parallel_size",
@@ -109,10 +119,10 @@ def inspect_step(
             print(finding.topic, finding.message)
     """
     path = Path(step)
-    meta = layout.read_metadata(path)
+    meta = markers.read_metadata(path)
     if meta is None:
         raise FileNotFoundError(
-            f"{path} is not a committed step ({layout.METADATA_FILE} missing or unreadable); "
+            f"{path} is not a committed step ({markers.METADATA_FILE} missing or unreadable); "
             "`lightning-mcore-ckpt ls` lists a run's complete steps"
         )
     saved = {k: int(v) for k, v in (meta.get("parallel_layout") or {}).items() if k in SIZES}
@@ -138,6 +148,86 @@ def inspect_step(
     if (path / layout.HF_DIR / "config.json").is_file():
         _hf(path / layout.HF_DIR, add)
     return report
+
+
+def spec_from_config(config: str | os.PathLike[str]) -> tuple[ModelSpec, dict[str, int]]:
+    """The model a LightningCLI config builds (on the meta device, with TP=PP=1 on this one
+    process: checkpoint keys and global shapes do not depend on the layout) and the layout the
+    config trains with (its ``MegatronStrategy`` sizes, and ``trainer.devices`` x
+    ``num_nodes`` for the data-parallel size), for ``inspect --config``."""
+    import yaml
+
+    data = yaml.safe_load(Path(config).read_text())
+    if not isinstance(data, dict) or "model" not in data:
+        raise ValueError(f"--config {config}: not a LightningCLI config with a 'model'")
+    trainer = data.get("trainer") or {}
+    strategy = trainer.get("strategy") or {}
+    options = dict(strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    target = _config_layout(trainer, options)
+    return _meta_model(data["model"], options), target
+
+
+def _config_layout(trainer: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, int]:
+    """The layout a config trains with: its strategy's sizes, and the data-parallel size its
+    devices and nodes leave."""
+    target = {k: int(v) for k, v in options.items() if k in SIZES}
+    devices = trainer.get("devices", 1)
+    devices = len(devices) if isinstance(devices, list) else devices
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        world = devices * int(trainer.get("num_nodes", 1) or 1)
+        model_parallel = 1
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            model_parallel *= target.get(name, 1)
+        model_parallel *= target.get("context_parallel_size", 1)
+        target["data_parallel_size"] = max(1, world // model_parallel)
+    return target
+
+
+def _meta_model(model: Any, options: Mapping[str, Any]) -> ModelSpec:
+    """The model of a config's ``model`` entry, attached to a one-process CPU Trainer with the
+    config's strategy options (modules read them in configure_model) but TP=PP=CP=EP=1, built
+    on the meta device: its checkpoint keys, global shapes and dtypes."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.cli import instantiate_class
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.transformer.module import MegatronModule
+
+    from lightning_mcore_ckpt.engine import module_sharded_state_dict
+    from lightning_mcore_ckpt.hf._import import (
+        megatron_environ_writes_undone,
+        single_process_parallel_state,
+    )
+    from lightning_mcore_ckpt.strategy import MegatronStrategy
+
+    kept = {k: v for k, v in options.items() if k not in SIZES and k != "sequence_parallel"}
+    with single_process_parallel_state(), megatron_environ_writes_undone():
+        module = instantiate_class((), model)
+        module.trainer = pl.Trainer(
+            strategy=MegatronStrategy(**kept),
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with torch.device("meta"):
+            module.configure_model()
+        ssd = module_sharded_state_dict(module)
+        apply_factories(ssd)
+        keys = {
+            sh.key: (tuple(sh.global_shape), str(sh.dtype).replace("torch.", ""))
+            for sh in nested_values(ssd)
+            if isinstance(sh, ShardedTensor)
+        }
+        configs = [
+            m.config
+            for m in module.modules()
+            if isinstance(m, MegatronModule) and hasattr(m, "config")
+        ][:1]
+    return ModelSpec(keys, configs)
 
 
 def _short(name: str) -> str:
@@ -195,8 +285,15 @@ def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: 
                     blocker=True,
                 )
             )
-    if model is None:
-        return
+    if model is not None:
+        _against_model(saved, model, add)
+        _against_configs(model, wanted, add)
+
+
+def _against_model(
+    saved: Mapping[str, tuple[tuple[int, ...], str]], model: ModelSpec, add: Any
+) -> None:
+    """The step's keys against the model's: missing (renamed?), unexpected, reshaped."""
     missing = {k: v for k, v in model.keys.items() if k not in saved}
     unexpected = {k: v for k, v in saved.items() if k not in model.keys}
     for key in sorted(missing):
@@ -226,6 +323,10 @@ def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: 
                     blocker=True,
                 )
             )
+
+
+def _against_configs(model: ModelSpec, wanted: Mapping[str, int], add: Any) -> None:
+    """Whether the model's Megatron-Core configs take the target model-parallel sizes."""
     sizes = {k: wanted.get(k, 1) for k in _MODEL_PARALLEL}
     for config in model.configs:
         try:
@@ -296,8 +397,6 @@ def _optimizer(
 def _extra(
     path: Path, meta: dict[str, Any], saved: dict[str, int], wanted: dict[str, int], add: Any
 ) -> None:
-    from lightning_mcore_ckpt.training.sampler import is_elastic_state
-
     files = sorted((path / layout.EXTRA_DIR).glob("rank_*.pt"))
     world = (meta.get("parallel_layout") or {}).get("world_size", len(files))
     if len(files) != world:
@@ -309,25 +408,48 @@ def _extra(
                 blocker=True,
             )
         )
-    with_loader: list[tuple[int, bool]] = []
-    without_rng: list[int] = []
-    mid_epoch = None
+    ranks = _read_rank_states(files)
+    _dataloaders(ranks, len(files), world, add)
+    _data_parallel_change(ranks, saved, wanted, add)
+    _rng(ranks, len(files), saved, wanted, add)
+
+
+@dataclass
+class _RankStates:
+    """What the ``extra/`` files of a step hold, rank by rank."""
+
+    with_loader: list[tuple[int, bool]] = field(default_factory=list)
+    """Ranks with dataloader state, and whether all of it is ElasticSampler's."""
+    without_rng: list[int] = field(default_factory=list)
+    mid_epoch: int | None = None
+    """Batches done in the epoch, when a rank was saved inside one."""
+
+
+def _read_rank_states(files: list[Path]) -> _RankStates:
+    from lightning_mcore_ckpt.callback._loops import between_epochs  # imports Lightning
+    from lightning_mcore_ckpt.training.sampler import is_elastic_state
+
+    found = _RankStates()
     for file in files:
         payload = _safe_load.load_torch_file(file)
         rank = int(payload.get("rank", files.index(file)))
         if not payload.get("rng"):
-            without_rng.append(rank)
+            found.without_rng.append(rank)
         fit = (payload.get("lightning") or {}).get("loops", {}).get("fit_loop") or {}
         state = fit.get("state_dict") or {}
         loaders = state.get("combined_loader") or []
         if loaders:
-            with_loader.append((rank, all(is_elastic_state(s) for s in loaders)))
+            found.with_loader.append((rank, all(is_elastic_state(s) for s in loaders)))
         batches = fit.get("epoch_loop.batch_progress") or {}
         progress = batches.get("current") or {}
         done = max(int(progress.get("completed", 0)), int(progress.get("processed", 0)))
         if done and not batches.get("is_last_batch") and not between_epochs(fit):
-            mid_epoch = done
-    ranks = [r for r, _ in with_loader]
+            found.mid_epoch = done
+    return found
+
+
+def _dataloaders(found: _RankStates, files: int, world: int, add: Any) -> None:
+    ranks = [r for r, _ in found.with_loader]
     add(
         Finding(
             "data",
@@ -336,42 +458,53 @@ def _extra(
             else "no dataloader state (the loader was not stateful)",
         )
     )
-    if mid_epoch and len(ranks) < len(files):
-        lacking = sorted(set(range(len(files))) - set(ranks))
+    if found.mid_epoch and len(ranks) < files:
+        lacking = sorted(set(range(files)) - set(ranks))
         add(
             Finding(
                 "data",
-                f"saved inside an epoch (after {mid_epoch} batches) without the dataloader's "
-                f"position on ranks {_ranges(lacking)}: a resume is refused (the rest of the "
-                "epoch would not see the data the uninterrupted run sees). Train with "
-                "torchdata.stateful_dataloader.StatefulDataLoader, save at epoch ends, or "
+                f"saved inside an epoch (after {found.mid_epoch} batches) without the "
+                f"dataloader's position on ranks {_ranges(lacking)}: a resume is refused (the "
+                "rest of the epoch would not see the data the uninterrupted run sees). Train "
+                "with torchdata.stateful_dataloader.StatefulDataLoader, save at epoch ends, or "
                 "resume with MegatronCheckpoint(restore_dataloader=False) to restart the epoch",
                 blocker=True,
             )
         )
+
+
+def _data_parallel_change(
+    found: _RankStates, saved: dict[str, int], wanted: dict[str, int], add: Any
+) -> None:
     dp_saved, dp_wanted = saved.get("data_parallel_size", 1), wanted.get("data_parallel_size", 1)
-    if dp_saved != dp_wanted and with_loader:
-        if all(elastic for _, elastic in with_loader):
-            add(
-                Finding(
-                    "data",
-                    f"DP {dp_saved} -> {dp_wanted}: ElasticSampler continues at the next global sample",
-                )
+    if dp_saved == dp_wanted or not found.with_loader:
+        return
+    if all(elastic for _, elastic in found.with_loader):
+        add(
+            Finding(
+                "data",
+                f"DP {dp_saved} -> {dp_wanted}: ElasticSampler continues at the next global sample",
             )
-        else:
-            add(
-                Finding(
-                    "data",
-                    f"DP {dp_saved} -> {dp_wanted}: the dataloader positions are per rank and "
-                    "cannot be mapped; use lightning_mcore_ckpt.ElasticSampler, or resume with "
-                    "MegatronCheckpoint(restore_dataloader=False) to restart the epoch's order",
-                    blocker=True,
-                )
+        )
+    else:
+        add(
+            Finding(
+                "data",
+                f"DP {dp_saved} -> {dp_wanted}: the dataloader positions are per rank and "
+                "cannot be mapped; use lightning_mcore_ckpt.ElasticSampler, or resume with "
+                "MegatronCheckpoint(restore_dataloader=False) to restart the epoch's order",
+                blocker=True,
             )
-    if without_rng:
-        add(Finding("rng", f"no RNG state for ranks {_ranges(without_rng)}"))
+        )
+
+
+def _rng(
+    found: _RankStates, files: int, saved: dict[str, int], wanted: dict[str, int], add: Any
+) -> None:
+    if found.without_rng:
+        add(Finding("rng", f"no RNG state for ranks {_ranges(found.without_rng)}"))
     elif saved == wanted:
-        add(Finding("rng", f"RNG state of every rank ({len(files)}): restored exactly"))
+        add(Finding("rng", f"RNG state of every rank ({files}): restored exactly"))
     else:
         add(
             Finding(
@@ -417,3 +550,62 @@ def _ranges(ranks: list[int]) -> str:
         run = [rank for _, rank in group]
         spans.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ", ".join(spans) or "none"
+
+
+def add_parsers(commands: Any) -> None:
+    """Add ``inspect`` to the command line's subparsers."""
+    inspect = commands.add_parser(
+        "inspect",
+        help="will a step load into a layout and a model? From metadata only, in seconds",
+        description="Answer, from a step's metadata (no tensor data), on one CPU process: "
+        "whether it loads into the target layout and the model a config builds (missing, "
+        "unexpected, renamed and reshaped keys, sizes the model cannot be split into), its "
+        "optimizer state and whether it reshards there, which ranks have dataloader and RNG "
+        "state and what a data-parallel change does to them, the versions that wrote it, and "
+        "the Hugging Face copy against its config. Exit code 1 on any blocker, each with its "
+        "fix; 0 when it loads.",
+    )
+    inspect.add_argument("step", help="a step directory (global_step_<N>/)")
+    inspect.add_argument(
+        "--config",
+        metavar="run.yaml",
+        help="a LightningCLI config: the model to compare with (built on the meta device) and "
+        "its layout (MegatronStrategy sizes, trainer.devices x num_nodes)",
+    )
+    for flag, size in (
+        ("--tp", "tensor_model_parallel_size"),
+        ("--pp", "pipeline_model_parallel_size"),
+        ("--cp", "context_parallel_size"),
+        ("--ep", "expert_model_parallel_size"),
+        ("--dp", "data_parallel_size"),
+    ):
+        inspect.add_argument(
+            flag, dest=size, type=int, metavar="N", help=f"target {size} (default: as saved)"
+        )
+    inspect.add_argument("--json", action="store_true", help="print the findings as JSON")
+    inspect.set_defaults(handler=_inspect)
+
+
+def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    target: dict[str, int] = {}
+    spec = None
+    for size in SIZES:
+        value = getattr(args, size)
+        if value is not None and value < 1:
+            return fail(f"--{size}: {value} is not a positive size")
+    try:
+        if args.config is not None:
+            spec, target = spec_from_config(args.config)
+        target.update({s: getattr(args, s) for s in SIZES if getattr(args, s)})
+        report = inspect_step(args.step, target, spec)
+    except (FileNotFoundError, ValueError) as err:
+        return fail(err)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for finding in report.findings:
+            mark = "BLOCKER" if finding.blocker else "ok     "
+            print(f"{mark} [{finding.topic}] {finding.message}")
+        blockers = len(report.blockers)
+        print(f"FAILED: {blockers} blocker(s)" if blockers else "OK: it loads")
+    return 1 if report.blockers else 0

@@ -1,7 +1,9 @@
-"""``lightning-mcore-ckpt report``: what every save of a run cost, read from ``metadata.json``."""
+"""``lightning-mcore-ckpt report`` and ``ls``: a run's steps, read from their ``metadata.json``
+(no checkpoint data is loaded): what every save cost (``report``), what each step holds (``ls``)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -10,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.cli.failure import fail
+from lightning_mcore_ckpt.format import layout, markers
 
-__all__ = ["Report", "collect", "format_table", "human_bytes", "plot"]
+__all__ = ["Report", "add_parsers", "collect", "format_table", "human_bytes", "plot"]
 
 _LAYOUT_KEYS = (
     ("tp", "tensor_model_parallel_size"),
@@ -55,7 +58,7 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
     complete = []
     damaged = {}
     for step in layout.complete_steps(root):
-        metadata = layout.read_metadata(step.path) or {}
+        metadata = markers.read_metadata(step.path) or {}
         metadata.setdefault("global_step", step.step)
         complete.append(metadata)
         problems = layout.verify_step(step.path)
@@ -192,7 +195,9 @@ def format_table(report: Report) -> str:
             which = "every step" if len(by) == 1 else f"step(s) {', '.join(steps)}"
             lines.append(f"{which} written by {text}")
     for step, problems in sorted(report.damaged.items()):
-        lines.append(f'DAMAGED global_step_{step} (skipped by "last"): {"; ".join(problems[:3])}')
+        lines.append(
+            f'DAMAGED {layout.step_name(step)} (skipped by "last"): {"; ".join(problems[:3])}'
+        )
     if report.incomplete:
         names = ", ".join(s.path.name for s in report.incomplete)
         lines.append(f"incomplete (never committed, not resumable): {names}")
@@ -248,3 +253,75 @@ def plot(report: Report, out: str | os.PathLike[str]) -> None:
         fig.savefig(out, dpi=100)
     finally:
         plt.close(fig)
+
+
+def add_parsers(commands: Any) -> None:
+    """Add ``report`` and ``ls`` to the command line's subparsers."""
+    report = commands.add_parser(
+        "report",
+        help="list a run's checkpoints: size, save times, throughput, parallel layout",
+        description=(
+            "Print a table of the complete steps of a MegatronCheckpoint directory (step, time "
+            "of save, contents, size, training-blocked and total save time, throughput, "
+            "parallel layout), then the steps that never committed."
+        ),
+    )
+    report.add_argument("dirpath", help="the MegatronCheckpoint dirpath (holds global_step_<N>/)")
+    report.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw save time and size against step into this image (needs matplotlib)",
+    )
+    report.set_defaults(handler=_report)
+
+    ls = commands.add_parser(
+        "ls",
+        help="list a run's complete steps and what each contains",
+        description="List the complete steps of a MegatronCheckpoint directory, what each "
+        "contains (model, optimizer, extra, huggingface) and its size, then incomplete steps.",
+    )
+    ls.add_argument("dirpath", help="the MegatronCheckpoint dirpath (holds global_step_<N>/)")
+    ls.set_defaults(handler=_ls)
+
+
+def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.plot is not None and not Path(args.plot).expanduser().parent.is_dir():
+        parser.error(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
+    try:
+        result = collect(args.dirpath)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    print(format_table(result))
+    if args.plot is not None:
+        try:
+            plot(result, Path(args.plot).expanduser())
+        except (RuntimeError, ValueError) as err:
+            return fail(err, code=1)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_mcore_ckpt import hf
+
+    try:
+        result = collect(args.dirpath)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    print(f"{result.dirpath}: {len(result.complete)} complete step(s)")
+    for meta in result.complete:
+        step = meta["global_step"]
+        path = layout.step_dir(result.dirpath, step)
+        contents = [c for c in meta.get("contents") or [] if c != "hf_model"]
+        if hf.is_exported(path):
+            contents.append("huggingface")
+        mark = "  (last)" if step == result.last else ""
+        size = human_bytes(meta.get("size_bytes"))
+        print(f"  {layout.step_name(step)}  {size:>10}  {', '.join(contents)}{mark}")
+        if written_by(meta):
+            print(f"      written by {written_by(meta)}")
+    for step, problems in sorted(result.damaged.items()):
+        print(f"  {layout.step_name(step)}  DAMAGED: {'; '.join(problems[:3])}")
+    for stale in result.incomplete:
+        print(f"  {stale.path.name}  incomplete (never committed)")
+    return 0

@@ -1,0 +1,111 @@
+"""``lightning-mcore-ckpt check-resume``: does a LightningCLI job resume exactly? The command
+line of :func:`lightning_mcore_ckpt.resume_check.check_resume`, which runs the job whole and
+interrupted and compares the runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from lightning_mcore_ckpt.cli.failure import fail
+
+__all__ = ["EXIT_JOB_FAILED", "add_parsers"]
+
+EXIT_JOB_FAILED = 3
+"""``check-resume``'s exit code when a run of the job fails to run (1 is a divergence)."""
+
+
+def add_parsers(commands: Any) -> None:
+    """Add ``check-resume`` to the command line's subparsers."""
+    check = commands.add_parser(
+        "check-resume",
+        help="prove that a LightningCLI job resumes exactly: run it whole and interrupted, compare",
+        description=(
+            "Run the job of a LightningCLI config (model and data named by class_path) "
+            "uninterrupted to --max-steps (twice: a job that differs from itself is reported as "
+            "not deterministic), then interrupted at --stop-at and resumed with "
+            'fit(ckpt_path="last"), and compare per-step losses, the samples every rank '
+            "received, every RNG stream, weights, optimizer and LR scheduler state and the loop "
+            "counters bit for bit. Prints the first divergence. Exit code 0 when everything is "
+            "identical, 1 on a divergence, 2 on bad usage, 3 when a run of the job fails to run "
+            "(the report names the run, the rank and the exception: an error of the job, not "
+            "a divergence)."
+        ),
+    )
+    check.add_argument("--config", required=True, help="a LightningCLI YAML config")
+    check.add_argument(
+        "--stop-at", type=int, required=True, metavar="K", help="the step to interrupt at"
+    )
+    check.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="the step to compare up to (default: the config's trainer.max_steps)",
+    )
+    check.add_argument(
+        "--how",
+        choices=["clean", "sigterm", "kill", "max_steps"],
+        action="append",
+        help="how to interrupt: a clean stop (trainer.should_stop) after the step, SIGTERM, a "
+        "hard kill after the last committed step, or max_steps (a finished run, extended); "
+        "repeat to try several (default: clean, sigterm and kill)",
+    )
+    check.add_argument(
+        "--workdir", help="keep every run's checkpoints and records here (a new directory)"
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(handler=_check_resume)
+
+
+def _check_resume(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        import jsonargparse  # noqa: F401
+    except ImportError:
+        return fail(
+            "check-resume reads a LightningCLI config and needs the cli extra: "
+            "pip install 'lightning-mcore-ckpt[cli]'"
+        )
+    from lightning_mcore_ckpt import notices
+    from lightning_mcore_ckpt.resume_check import JobFailed, check_resume
+    from lightning_mcore_ckpt.resume_check._run import HOWS
+
+    # With --json, stdout carries the report only: what the runs print (progress, model
+    # summaries) goes to stderr, also from the rank processes started meanwhile.
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    if args.json:
+        os.dup2(2, 1)
+    # The processes that run the job warn as they import what they preload: the known notices
+    # of the libraries underneath are kept out of the report's way there too.
+    warning_options = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        o for o in (warning_options, notices.python_warnings(cpu=True)) if o
+    )
+    failed = False
+    try:
+        report = check_resume(
+            args.config,
+            stop_at=args.stop_at,
+            max_steps=args.max_steps,
+            how=tuple(args.how) if args.how else HOWS,
+            workdir=args.workdir,
+        )
+    except JobFailed as err:  # the job's own error: its verdict, not a divergence
+        report, failed = err.report, True
+    except (FileNotFoundError, ValueError) as err:
+        return fail(err)
+    finally:
+        sys.stdout.flush()
+        os.dup2(stdout, 1)
+        os.close(stdout)
+        if warning_options is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = warning_options
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    if failed:
+        return EXIT_JOB_FAILED
+    return 0 if report.exact else 1

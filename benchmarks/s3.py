@@ -4,9 +4,9 @@
 A checkpoint-sized step (shard-like ``*.distcp`` files plus a commit marker) is
 
 - written to the local disk with fsync, and read back cold (``posix_fadvise(DONTNEED)``);
-- published to an S3 server on loopback (``replica.publish_step``: every object, the listing
+- published to an S3 server on loopback (``publication.publish_step``: every object, the listing
   check, the marker, the tracker), then read back through a view of the store
-  (``replica.open_view``: each shard a remote file, read by ranged GETs through
+  (``store_views.open_view``: each shard a remote file, read by ranged GETs through
   ``remote_files.open_read``), and downloaded whole (``ObjectStore.download``).
 
 The server is moto (``tests/storage/_s3server.py``): an in-memory Python server on the same
@@ -90,8 +90,7 @@ def measure(
     sys.path.insert(0, str(HERE.parent / "tests" / "storage"))
     from _s3server import S3Server
 
-    from lightning_mcore_ckpt.storage import publication as replica
-    from lightning_mcore_ckpt.storage import remote_files
+    from lightning_mcore_ckpt.storage import publication, remote_files, store_views
     from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
     server = S3Server(scratch / "server").start()
@@ -115,7 +114,7 @@ def measure(
             nbytes = sum(p.stat().st_size for p in shards)
             row["bytes"] = float(nbytes)
 
-            figures = replica.publish_step(store, step)
+            figures = publication.publish_step(store, step)
             row["publish_s"] = figures["upload_time_s"]
             row["upload_bytes"] = float(figures["upload_bytes"])
 
@@ -123,7 +122,7 @@ def measure(
             row["local_read_s"] = _read_all(shards, lambda p: open(p, "rb"))
 
             start = time.perf_counter()
-            view = replica.open_view(f"{url}/{step.name}")
+            view = store_views.open_view(f"{url}/{step.name}")
             row["view_open_s"] = time.perf_counter() - start
             remote = [
                 view / "model" / p.name
@@ -144,7 +143,7 @@ def measure(
             row["download_s"] = time.perf_counter() - start
             shutil.rmtree(down, ignore_errors=True)
 
-            replica.remove_published(store, r)  # the server keeps objects in memory
+            publication.remove_published(store, r)  # the server keeps objects in memory
             rounds.append(row)
             print(
                 f"round {r}: write {row['local_write_s']:.2f}s, publish {row['publish_s']:.2f}s, "
@@ -172,7 +171,7 @@ def measure(
 ROWS = (
     # (label, seconds key, bytes key)
     ("write to local disk (fsync each file, marker by rename)", "local_write_s", "bytes"),
-    ("publish to S3 (`replica.publish_step`)", "publish_s", "upload_bytes"),
+    ("publish to S3 (`publication.publish_step`)", "publish_s", "upload_bytes"),
     ("read from local disk (cold)", "local_read_s", "bytes"),
     ("read through a view (ranged GETs, `remote_files.open_read`)", "ranged_read_s", "bytes"),
     ("read through a view, one GET per part (`read(part_size)`)", "ranged_read_big_s", "bytes"),

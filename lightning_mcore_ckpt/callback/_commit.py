@@ -1,8 +1,11 @@
-"""The commit of a step: once its save is written on every rank, rank 0 makes it durable, writes
-``metadata.json`` (the commit marker), points the tracker at it, then exports it to Hugging Face
-format when asked and applies retention, in order, on one background thread. How each commit
-ended is shared with every rank on the training thread, so that all raise the same error (or
-none); the figures and the loggers' notification follow there.
+"""The commit of a step: write, seal, publish. Every rank *writes* its files (through the
+strategy); once written everywhere, rank 0 *seals* the step (durable, then ``metadata.json``, the
+commit marker: :func:`~lightning_mcore_ckpt.storage.seal.seal_step`) and *publishes* it to each
+tier of the ``dirpath`` (:class:`~lightning_mcore_ckpt.storage.tier.Tier`: the local directory's
+tracker, then an object store), then exports it to Hugging Face format when asked and applies
+retention, in order, on one background thread. How each commit ended is shared with every rank
+on the training thread, so that all raise the same error (or none); the figures and the
+loggers' notification follow there.
 
 The :class:`Committer` is the strategy's :class:`~lightning_mcore_ckpt.strategy.SaveListener`
 for the steps of one ``dirpath``: it is registered once, told each step's intent before the
@@ -14,28 +17,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning_mcore_ckpt.callback._export import export_into_committed, make_uploader
 from lightning_mcore_ckpt.callback._intent import Intent, decide, step_metadata
 from lightning_mcore_ckpt.callback._tier import retain
-from lightning_mcore_ckpt.engine import (
-    CheckpointSaveError,
-    SaveOptions,
-    SaveRecord,
-    commit_step,
-    cpu_group,
-)
+from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord, cpu_group
 from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.storage.local_tier import LocalTier
+from lightning_mcore_ckpt.storage.seal import seal_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_mcore_ckpt.callback._tier import StoreTier
+    from lightning_mcore_ckpt.engine import Content
     from lightning_mcore_ckpt.hf import HFExport
+    from lightning_mcore_ckpt.storage.tier import Tier
 
 __all__ = ["Committer"]
 
@@ -56,9 +56,12 @@ class Committer:
         on_committed: training thread, rank 0: a step was committed (its metadata).
         on_failed: every rank: a save, its commit or its export failed.
         check_lock: rank 0: raises ``RuntimeError`` once this run no longer holds the
-            directory's lock (:meth:`~lightning_mcore_ckpt.format.layout.DirectoryLock.check`); no
+            directory's lock (:meth:`~lightning_mcore_ckpt.storage.lock.DirectoryLock.check`); no
             step is written, committed or deleted after that.
-        tier: an object-store ``dirpath`` (``root`` is its local tier), or ``None``.
+        tiers: the ``dirpath``'s tiers, innermost first (``root``'s local directory tier; an
+            object store's after it); ``()``: the local directory alone. A step is published
+            to each, in order: in its commit where the tier is ``awaited``, else by a job of
+            its own once the commit is reported.
     """
 
     def __init__(
@@ -74,7 +77,7 @@ class Committer:
         on_committed: Callable[[dict[str, Any]], None],
         on_failed: Callable[[Path, BaseException], None],
         check_lock: Callable[[], None] | None = None,
-        tier: StoreTier | None = None,
+        tiers: Sequence[Tier] = (),
     ) -> None:
         self.root = root
         self.is_global_zero = is_global_zero
@@ -86,7 +89,7 @@ class Committer:
         self._on_committed = on_committed
         self._on_failed = on_failed
         self._check_lock = check_lock or (lambda: None)
-        self.tier = tier
+        self.tiers: tuple[Tier, ...] = tuple(tiers) or (LocalTier(root),)
         self._intents: dict[Path, Intent] = {}
         self._removals: list[tuple[int, Path]] = []
         self._replaced: set[Path] = set()
@@ -130,7 +133,7 @@ class Committer:
         started = time.perf_counter()
         decision = None
         if trainer.is_global_zero:
-            decision = decide(target, self.root, self.overwrite, self.tier, self._check_lock)
+            decision = decide(target, self.overwrite, self.tiers, self._check_lock)
             self._replaced.discard(target)  # replaced now, if it was another run's (overwrite)
         decision = strategy.broadcast(decision)
         if decision == "exists":
@@ -144,7 +147,9 @@ class Committer:
             and not preempted
             and (export or "hf_model" in self.save_contents or self.hf_export.when == "every_save")
         )
-        contents = tuple(c for c in self.save_contents if c != "hf_model")
+        contents = cast(
+            "tuple[Content, ...]", tuple(c for c in self.save_contents if c != "hf_model")
+        )
         self._intents[target] = Intent(
             step=trainer.global_step,
             epoch=epoch,
@@ -169,8 +174,9 @@ class Committer:
         ]
         if intent.export:
             jobs.append((self._export_into_committed, record.path))
-        if self.tier is not None and self.tier.durability == "local":
-            jobs.append((self.tier.publish_job, record.path))  # reported on its own
+        for tier in self.tiers:
+            if not tier.awaited:
+                jobs.append((self._publish, tier, record.path))  # reported on its own
         for fn, *args in jobs:
             self._awaiting.append(record.path)
             if self.is_global_zero:
@@ -198,14 +204,15 @@ class Committer:
             self._replaced = {s.path for s in layout.complete_steps(self.root)}
 
     def catch_up(self, trainer: pl.Trainer) -> None:
-        """Durability ``"local"``: publish the steps a killed run left unpublished (collective)."""
-        if self.tier is None or self.tier.durability != "local":
-            return
-        pending = [str(p) for p in self.tier.catch_up()] if self.is_global_zero else []
-        for target in map(Path, trainer.strategy.broadcast(pending)):
-            self._awaiting.append(target)
+        """Publish the steps a killed run left sealed but unpublished in a tier that is not
+        ``awaited`` (durability ``"local"``). Collective."""
+        pending = []
+        if self.is_global_zero:
+            pending = [(i, str(p)) for i, t in enumerate(self.tiers) for p in t.unpublished()]
+        for index, target in trainer.strategy.broadcast(pending):
+            self._awaiting.append(Path(target))
             if self.is_global_zero:
-                self._submit(target, self.tier.publish_job, target)
+                self._submit(Path(target), self._publish, self.tiers[index], Path(target))
 
     def export_committed(self, target: Path) -> None:
         """Add the Hugging Face export to a step that is already committed. Every rank calls
@@ -338,15 +345,16 @@ class Committer:
         self._commits.append((target, self._executor.submit(fn, *args), awaited))
 
     def _commit(self, target: Path, metadata: dict[str, Any], record: SaveRecord) -> dict[str, Any]:
-        # Every file and directory of the step durable, then metadata.json (the commit), then
-        # the tracker: a power cut never leaves "last" naming a step with a file missing.
+        # Sealed (every file and directory of the step durable, then metadata.json), then
+        # published to each awaited tier in order (the tracker first): a power cut never
+        # leaves "last" naming a step with a file missing.
         started = record.finalized_at - record.total_time_s  # the first rank's start
         try:
             self._check_lock()
-            metadata = commit_step(target, metadata, started=started)
-            layout.write_tracker(self.root, metadata["global_step"])
-            if self.tier is not None and self.tier.durability == "store":
-                metadata = {**metadata, **self.tier.publish(target, first=True)}
+            metadata = seal_step(target, metadata, started=started)
+            for tier in self.tiers:
+                if tier.awaited:
+                    metadata = {**metadata, **tier.publish(target, first=True)}
         except Exception as err:
             raise RuntimeError(f"committing {target} failed: {err}") from err
         gb, blocked, total = (
@@ -357,6 +365,10 @@ class Committer:
         )
         return metadata
 
+    def _publish(self, tier: Tier, target: Path) -> dict[str, Any]:
+        # A tier that is not awaited: the publication of a step already reported as committed.
+        return {"global_step": layout.step_number(target), **tier.publish(target, first=True)}
+
     def _retain(
         self,
         removals: list[Path],
@@ -366,9 +378,9 @@ class Committer:
         try:
             self._check_lock()
             uploading = self._uploader.steps() if self._uploader else ()
-            retain(self.root, self.tier, self.max_to_keep, removals, keep, replaced, uploading)
+            retain(self.tiers, self.max_to_keep, removals, keep, replaced, uploading)
         except Exception as err:  # noqa: BLE001 - a step is committed: losing none, go on
-            where = self.tier.store.url if self.tier else self.root
+            where = self.tiers[-1].where
             log.error(
                 "a step is committed, but retention failed: %s; training goes on, and the "
                 "next commit tries again (free space or fix permissions in %s)",
@@ -381,8 +393,9 @@ class Committer:
         assert self.hf_export is not None
         self._check_lock()
         figures = export_into_committed(self.hf_export, target)
-        if figures and self.tier is not None:  # the export joins the published step
-            self.tier.publish(target)
+        if figures:  # the export joins the published step
+            for tier in self.tiers:
+                tier.publish(target, first=False)
         if figures and self._uploader is not None:
             self._uploader.submit(target)  # in the background: the export is committed
         return figures

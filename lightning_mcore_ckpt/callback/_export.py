@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt.engine import commit_step
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.storage.seal import seal_step
 
 if TYPE_CHECKING:
     from lightning_mcore_ckpt.hf import HFExport
@@ -83,7 +83,7 @@ def export_into_committed(hf_export: HFExport, target: Path) -> dict[str, Any]:
     """
     from lightning_mcore_ckpt import hf
 
-    metadata = layout.read_metadata(target)
+    metadata = markers.read_metadata(target)
     if metadata is None:  # its commit failed (reported already): nothing to export
         return {}
     start = time.perf_counter()
@@ -108,11 +108,11 @@ def export_into_committed(hf_export: HFExport, target: Path) -> dict[str, Any]:
         if "hf_model" not in contents:
             contents.append("hf_model")
         metadata["contents"] = contents
-        # The copy is new (or replaced): its files are hashed afresh at this commit.
+        # The copy is new (or replaced): its files are hashed afresh at this seal.
         hf_files = f"{layout.HF_DIR}/"
         kept = (metadata.get("hashes") or {}).items()
         metadata["hashes"] = {k: v for k, v in kept if not k.startswith(hf_files)}
-        commit_step(target, metadata)
+        seal_step(target, metadata)  # sealed again, with the export
     except Exception as err:
         raise RuntimeError(
             f"the Hugging Face export of {target} failed (the step itself is committed and "

@@ -3,22 +3,18 @@ records."""
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_ckpt.engine import SaveRecord, record_metadata
-from lightning_mcore_ckpt.format import layout, retention
 
 if TYPE_CHECKING:
-    from lightning_mcore_ckpt.callback._tier import StoreTier
+    from lightning_mcore_ckpt.storage.tier import Tier
 
 __all__ = ["Intent", "decide", "monitor_entry", "step_metadata"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,35 +46,18 @@ def monitor_entry(name: str | None, value: Any) -> dict[str, Any] | None:
 
 
 def decide(
-    target: Path,
-    root: Path,
-    overwrite: bool,
-    tier: StoreTier | None,
-    check_lock: Callable[[], None],
+    target: Path, overwrite: bool, tiers: Sequence[Tier], check_lock: Callable[[], None]
 ) -> str | None:
     """Rank 0, before ``target`` is written: ``None`` to write it, ``"exists"`` to skip it
     (complete), else why the save fails. A run that lost the directory's lock writes nothing;
-    a foreign directory is never touched; an incomplete one of ours (a crashed save) is
-    removed, and a complete one too with ``overwrite``."""
+    each tier, outermost first, may find it complete or refuse it
+    (:meth:`~lightning_mcore_ckpt.storage.tier.Tier.before_write`)."""
     try:
         check_lock()
     except RuntimeError as err:
         return f"not saving {target}: {err}"
-    managed = layout.is_managed(target)
-    if tier is not None and tier.before_save(target) == "exists":
-        return "exists"
-    if layout.is_complete(target) and overwrite and managed:
-        log.warning("replacing %s (overwrite=True)", target)
-        retention.remove_step(target)
-    elif layout.is_complete(target):
-        return "exists"
-    elif target.exists() and not managed:
-        return (
-            f"{target} exists but was not written by a MegatronCheckpoint run (a link, "
-            f"a save by hand or another program's files); move it out of {root} "
-            "(it is never deleted)"
-        )
-    elif target.exists():
-        log.warning("removing incomplete %s before saving it again", target)
-        retention.remove_step(target)
+    for tier in reversed(tiers):
+        verdict = tier.before_write(target, overwrite)
+        if verdict is not None:
+            return verdict
     return None

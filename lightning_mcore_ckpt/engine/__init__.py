@@ -5,13 +5,28 @@
 :class:`CheckpointReader` loads them into the current parallel layout. Both work on a
 :class:`TrainingState`, this rank's view of the model and optimizers. ``MegatronStrategy``
 delegates its ``save_checkpoint``, ``load_checkpoint`` and ``remove_checkpoint`` here.
+
+Its modules:
+
+- ``_records``: the engine's contract: ``SaveOptions``, ``SaveRecord``, ``SaveListener``, errors.
+- ``_writer``: ``CheckpointWriter``, sync and async saves, the one save in flight; ``_requests``
+  (the async request in flight), ``_shards`` (our shard writer's thread pool and background
+  save thread), ``_staging`` (reused staging buffers), ``_plans`` (save plans kept while the
+  state's structure holds), ``_agreeing_save_strategy`` (Megatron-Core's save strategy, rank 0's
+  finalisation errors shared with every rank), ``_extra`` (a rank's ``extra/rank_<r>.pt``),
+  ``_dedup`` (frozen tensors written once), ``_durable`` (a save's metadata, the seal of a save
+  made by hand).
+- ``_reader``: ``CheckpointReader``, a load into the current parallel layout; ``_parallel_reader``
+  (a step's shard files read in parallel, each record into its tensor).
+- ``_state_dicts`` (``TrainingState``: this rank's sharded state dicts), ``_collectives`` (rank
+  0's answer, an agreed failure).
 """
 
 from __future__ import annotations
 
 from lightning_mcore_ckpt.engine._collectives import cpu_group
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
-from lightning_mcore_ckpt.engine._durable import commit_step, record_metadata
+from lightning_mcore_ckpt.engine._durable import record_metadata
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
     CONTENTS,
@@ -48,7 +63,6 @@ __all__ = [
     "TrainingState",
     "WriterKind",
     "WrittenBy",
-    "commit_step",
     "cpu_group",
     "frozen_storages",
     "holds_weights_only",

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_mcore_ckpt import _compat, _cpu
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
-from lightning_mcore_ckpt.engine._reading import load_strategy, views_readable
+from lightning_mcore_ckpt.engine._parallel_reader import load_strategy, views_readable
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
 from lightning_mcore_ckpt.engine._shards import default_write_threads
 from lightning_mcore_ckpt.engine._state_dicts import (
@@ -18,12 +18,11 @@ from lightning_mcore_ckpt.engine._state_dicts import (
     optimizer_sharded_state_dict,
     to_module_keys,
 )
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, EXTRA_FORMAT_VERSION, MODEL_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
-from lightning_mcore_ckpt.storage import object_store
-from lightning_mcore_ckpt.storage import publication as replica
+from lightning_mcore_ckpt.storage import object_store, store_views
 from lightning_mcore_ckpt.training import optim as _optim
 from lightning_mcore_ckpt.training import parallel as _parallel
 from lightning_mcore_ckpt.training.rng import RNGState
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def holds_weights_only(path: Path) -> bool:
     """A step with weights and nothing to resume (no optimizer, no training state)."""
-    metadata = layout.read_metadata(path) or {}
+    metadata = markers.read_metadata(path) or {}
     return (
         not (path / OPTIM_DIR).is_dir()
         and not (path / EXTRA_DIR).is_dir()
@@ -96,7 +95,7 @@ class CheckpointReader:
             raise FileNotFoundError(problem)
         # A step in an object store is read through a local view of it (every rank).
         path = (
-            replica.open_view(resolved, rank=rank)
+            store_views.open_view(resolved, rank=rank)
             if object_store.is_url(resolved)
             else Path(resolved)
         )
@@ -121,10 +120,12 @@ class CheckpointReader:
         path = Path(checkpoint_path)
         tier = self.sources.get(str(path.parent))
         if tier is not None and not layout.is_complete(path):  # e.g. "best", staged out
-            return replica.resolve_url(tier.store.child(path.name).url, reading, self.verify_hashes)
+            return store_views.resolve_url(
+                tier.store.child(path.name).url, reading, self.verify_hashes
+            )
         if object_store.is_url(checkpoint_path):
             object_store.require_client("ckpt_path", str(checkpoint_path))
-            return replica.resolve_url(str(checkpoint_path), reading, self.verify_hashes)
+            return store_views.resolve_url(str(checkpoint_path), reading, self.verify_hashes)
         return str(layout.resolve_checkpoint(checkpoint_path, reading, self.verify_hashes))
 
     def _load_strategy(self, path: Path) -> Any:
@@ -292,7 +293,7 @@ class CheckpointReader:
                 f"type {sharding!r}, which this version cannot load; load the weights only "
                 "(a step without optim/) or save it again with an older version"
             )
-        saved_layout = (layout.read_metadata(directory.parent) or {}).get("parallel_layout")
+        saved_layout = (markers.read_metadata(directory.parent) or {}).get("parallel_layout")
         if sharding == "dp_reshardable" and saved_layout:
             differs = {
                 name: (saved_layout.get(name), size)

@@ -6,22 +6,31 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from lightning_mcore_ckpt.format.layout import (
-    METADATA_FILE,
     MODEL_DIR,
     OPTIM_DIR,
     SHARED_DIR,
-    STARTED_MARKER,
     StepDir,
+    step_number,
+)
+from lightning_mcore_ckpt.format.markers import (
+    METADATA_FILE,
+    STARTED_MARKER,
     is_ours,
     read_metadata,
-    step_number,
 )
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
-__all__ = ["collect_shared", "remove_step", "retention_plan"]
+__all__ = [
+    "collect_shared",
+    "remove_step",
+    "retention_plan",
+    "shared_references",
+    "unreferenced_shared",
+]
 
 
 def retention_plan(
@@ -87,13 +96,23 @@ def remove_step(path: str | os.PathLike[str], *, any_name: bool = False) -> None
     collect_shared(p.parent)
 
 
+def shared_references(metadata: dict[str, Any]) -> set[str]:
+    """The names of the ``shared/`` files a step's commit marker (its ``metadata.json``) lists."""
+    prefix = f"../{SHARED_DIR}/"
+    return {n.rsplit("/", 1)[1] for n in metadata.get("files") or {} if n.startswith(prefix)}
+
+
+def unreferenced_shared(names: Iterable[str], referenced: set[str], writers: set[str]) -> list[str]:
+    """Of the ``shared/`` file names ``names``, those to delete: none of the ``referenced``,
+    and not written by a step that still exists (a file's name starts with its writer's
+    directory name, one of ``writers``): a save in flight writes its new shared files before
+    its index names them. Used for a directory and for a store alike."""
+    return [n for n in names if n not in referenced and n.split("-", 1)[0] not in writers]
+
+
 def _references(step: Path) -> set[str]:
     """The names of the ``shared/`` files a step directory points at (committed or not)."""
-    names = set()
-    meta = read_metadata(step) or {}
-    for name in meta.get("files") or {}:
-        if name.startswith(f"../{SHARED_DIR}/"):
-            names.add(name.rsplit("/", 1)[1])
+    names = shared_references(read_metadata(step) or {})
     for part in (MODEL_DIR, OPTIM_DIR):  # a save not committed yet has no metadata.json
         if (step / part / ".metadata").is_file():
             try:
@@ -125,12 +144,10 @@ def collect_shared(dirpath: str | os.PathLike[str]) -> list[Path]:
     steps = [d for d in root.iterdir() if d.is_dir() and step_number(d) is not None]
     keep = set().union(*(_references(d) for d in steps)) if steps else set()
     writers = {d.name for d in steps}
-    deleted = []
-    for file in sorted(shared.iterdir()):
-        if file.name in keep or file.name.split("-", 1)[0] in writers:
-            continue
+    files = {file.name: file for file in sorted(shared.iterdir())}
+    deleted = [files[name] for name in unreferenced_shared(files, keep, writers)]
+    for file in deleted:
         file.unlink()
-        deleted.append(file)
     if deleted:
         _atomic.fsync_dir(shared)
     return deleted

@@ -79,7 +79,7 @@ def test_a_step_is_published_objects_first_then_its_marker_then_the_tracker(
     s3_bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
     from lightning_mcore_ckpt.format import layout
-    from lightning_mcore_ckpt.storage import publication as replica
+    from lightning_mcore_ckpt.storage import publication, store_views
 
     store = _store(s3_bucket)
     step = _committed_step(tmp_path, 3)
@@ -87,7 +87,7 @@ def test_a_step_is_published_objects_first_then_its_marker_then_the_tracker(
     store.put_bytes("global_step_3/extra/rank_00007.pt", b"stale")
     s3_server.faults(hold=rf"/{s3_bucket}/run/global_step_3/metadata\.json")
     done: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: done.update(replica.publish_step(store, step)))
+    thread = threading.Thread(target=lambda: done.update(publication.publish_step(store, step)))
     thread.start()
     s3_server.wait_held()
     # The marker is being written: every other object is complete, the tracker not moved.
@@ -97,8 +97,8 @@ def test_a_step_is_published_objects_first_then_its_marker_then_the_tracker(
         "run/global_step_3/model/.metadata",
         "run/global_step_3/model/__0_0.distcp",
     }
-    assert replica.published_steps(store) == {}
-    view = replica.open_view(store.url)
+    assert publication.published_steps(store) == {}
+    view = store_views.open_view(store.url)
     assert layout.incomplete_steps(view)[0].step == 3
     assert layout.resolve_last(view, verify=False) is None
     s3_server.faults()
@@ -106,11 +106,11 @@ def test_a_step_is_published_objects_first_then_its_marker_then_the_tracker(
     assert done["upload_bytes"] == 1000 + 5 + 2 + len((step / "metadata.json").read_bytes())
     assert store.get_bytes("latest_checkpointed_iteration.txt") == b"3\n"
     # An older step published later never moves the tracker back.
-    replica.publish_step(store, _committed_step(tmp_path, 1))
+    publication.publish_step(store, _committed_step(tmp_path, 1))
     assert store.get_bytes("latest_checkpointed_iteration.txt") == b"3\n"
-    assert sorted(replica.published_steps(store)) == [1, 3]
-    view = replica.open_view(store.url)
+    assert sorted(publication.published_steps(store)) == [1, 3]
+    view = store_views.open_view(store.url)
     assert layout.resolve_last(view, verify=False) == view / "global_step_3"  # a fake index
     # Deleting a step takes its marker first, then everything else.
-    replica.remove_published(store, 3)
+    publication.remove_published(store, 3)
     assert not any("global_step_3" in k for k in s3_server.objects(s3_bucket))

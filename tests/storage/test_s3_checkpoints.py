@@ -296,8 +296,7 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     from _cli import run_cli
 
     from lightning_mcore_ckpt.format import layout
-    from lightning_mcore_ckpt.storage import publication as replica
-    from lightning_mcore_ckpt.storage import remote_files
+    from lightning_mcore_ckpt.storage import remote_files, store_views
 
     url = f"s3://{s3_bucket}/run"
     run_distributed(_fit, 2, str(hf_source), url, 4, None, {}, timeout=300, env=s3_server.env())
@@ -315,15 +314,15 @@ def test_a_step_missing_an_object_is_detected_and_last_falls_back(
     assert table.returncode == 0 and "global_step_4" in table.stdout + table.stderr
     assert run_cli("inspect", f"{url}/global_step_2", "--tp", "1").returncode == 0
     # A view streams: its small files are here, no shard file is; "last" skips step 4.
-    view = replica.open_view(url)
+    view = store_views.open_view(url)
     assert not list(view.rglob("*.distcp"))
     assert layout.resolve_last(view) == view / "global_step_2"
-    assert replica.resolve_url(url) == f"{url}/global_step_2"  # ckpt_path="s3://..." loads it
+    assert store_views.resolve_url(url) == f"{url}/global_step_2"  # ckpt_path="s3://..." loads it
     with pytest.raises(FileNotFoundError, match="is damaged"):
-        replica.resolve_url(f"{url}/global_step_4")  # named explicitly: refused, not skipped
+        store_views.resolve_url(f"{url}/global_step_4")  # named explicitly: refused, not skipped
     # A rank's view of the step it loads lists that step alone, and downloads no other rank's
     # extra/ file (rank 5 of a larger run: rank 0's file is the one it reads).
-    mine = replica.open_view(f"{url}/global_step_2", rank=5)
+    mine = store_views.open_view(f"{url}/global_step_2", rank=5)
     assert [p.name for p in mine.parent.iterdir()] == ["global_step_2"]
     assert [p.name for p in (mine / "extra").iterdir()] == ["rank_00000.pt"]
     assert remote_files.size_of(mine / "extra" / "rank_00001.pt")  # read by range if ever read

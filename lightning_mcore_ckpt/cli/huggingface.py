@@ -118,8 +118,7 @@ def _dtype(name: str | None) -> Any:
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mcore_ckpt import hf
-    from lightning_mcore_ckpt.storage import object_store
-    from lightning_mcore_ckpt.storage import publication as replica
+    from lightning_mcore_ckpt.storage import object_store, publication
 
     out_url = args.out if object_store.is_url(args.out) else None
     if out_url is not None:  # written here, then uploaded
@@ -144,7 +143,9 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{summary['path']} in {summary['seconds']:.1f}s"
     )
     if out_url is not None:
-        print(f"uploaded {replica.upload_tree(Path(args.out), out_url) / 1e9:.3f} GB to {out_url}")
+        print(
+            f"uploaded {publication.upload_tree(Path(args.out), out_url) / 1e9:.3f} GB to {out_url}"
+        )
     if args.upload_to is not None:
         try:
             done = hf.upload_export(args.out, args.step_dir, args.upload_to, private=args.private)

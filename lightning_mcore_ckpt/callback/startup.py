@@ -1,4 +1,5 @@
-"""Checks made when a run starts, before any step is written."""
+"""When a run starts, before any step is written: the checks, the directory's lock and the
+tiers' hold."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ class Tier(Protocol):
     """One place a ``dirpath``'s steps live (see the module's docstring for the phases).
 
     Steps are named by their path in the local directory (Lightning's names), in every tier.
-    Every method but :meth:`has_last` runs on rank 0 (publication, retention: on the commit
-    thread).
+    Every method but :meth:`register` and :meth:`has_last` runs on rank 0 (publication and
+    retention on the commit thread).
     """
 
     @property

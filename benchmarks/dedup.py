@@ -47,7 +47,7 @@ def frozen_saves(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     a step holds itself, and the bytes the run directory holds at the end."""
 
     from lightning_mcore_ckpt import MegatronCheckpoint
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import layout, markers
 
     out: dict[str, Any] = {}
     for mode in ("plain", "dedup"):
@@ -61,7 +61,7 @@ def frozen_saves(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(module, train_dataloaders=workloads._loader())
         if rank == 0:
             metas = sorted(
-                (layout.read_metadata(s.path) or {} for s in layout.complete_steps(root)),
+                (markers.read_metadata(s.path) or {} for s in layout.complete_steps(root)),
                 key=lambda m: m["global_step"],
             )
             steps = [layout.step_dir(root, m["global_step"]) for m in metas]

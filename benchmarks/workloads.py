@@ -420,7 +420,7 @@ def _our_fit(
     0's figures from each committed step's metadata (steady state: every save but the first,
     which is reported on its own) and the probe's."""
     from lightning_mcore_ckpt import MegatronCheckpoint
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import layout, markers
 
     every = cfg.get("every", 3)
     probe = _probe_class()(dirpath)
@@ -445,7 +445,7 @@ def _our_fit(
     trainer.fit(module, train_dataloaders=_loader())
     out: dict[str, Any] = {}
     if rank == 0:
-        metas = [layout.read_metadata(s.path) or {} for s in layout.complete_steps(dirpath)]
+        metas = [markers.read_metadata(s.path) or {} for s in layout.complete_steps(dirpath)]
         metas.sort(key=lambda m: m["global_step"])
         steady = metas[1:] or metas
         out = {

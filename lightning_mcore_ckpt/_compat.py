@@ -325,9 +325,9 @@ def check_readable(step: Any, subdirs: tuple[str, ...] = ("model", "optim")) -> 
         directory = step / sub
         if not (directory / ".metadata").is_file() or (directory / "common.pt").is_file():
             continue
-        from lightning_mcore_ckpt.format import layout
+        from lightning_mcore_ckpt.format import markers
 
-        written = ((layout.read_metadata(step) or {}).get("versions") or {}).get("megatron_core")
+        written = ((markers.read_metadata(step) or {}).get("versions") or {}).get("megatron_core")
         raise ValueError(
             f"{step} was written by megatron-core {written or '0.17 or newer'}, whose format "
             f"megatron-core {versions()['megatron_core']} cannot read ({sub}/ keeps its common "

@@ -173,10 +173,10 @@ class Dedup:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
         from torch.distributed.checkpoint.storage import WriteResult
 
-        from lightning_mcore_ckpt.format import layout
+        from lightning_mcore_ckpt.format import layout, markers
         from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 
-        digests = (layout.read_metadata(step) or {}).get("hashes") or {}
+        digests = (markers.read_metadata(step) or {}).get("hashes") or {}
         index = _safe_dcp.read_dcp_metadata(step / layout.MODEL_DIR)
         stored = {(k.fqn, tuple(k.offset or ())): (k, v) for k, v in index.storage_data.items()}
         sizes = {

@@ -15,7 +15,7 @@ from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors
 from lightning_mcore_ckpt.engine._records import SaveOptions
 from lightning_mcore_ckpt.engine._shards import BackgroundWrites
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import markers
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 
 __all__ = [
@@ -55,7 +55,7 @@ def create_step_directories(path: Path, contents: Sequence[str], managed: bool) 
             "save each step to a new directory"
         )
     try:
-        layout.mark_step_started(path, managed=managed)
+        markers.mark_step_started(path, managed=managed)
         for sub, wanted in ((MODEL_DIR, "model"), (OPTIM_DIR, "optimizer"), (EXTRA_DIR, "extra")):
             if wanted in contents:
                 (path / sub).mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ Example::
 
     from lightning_mcore_ckpt.format import integrity
 
-    meta = layout.read_metadata("checkpoints/run/global_step_100")
+    meta = markers.read_metadata("checkpoints/run/global_step_100")
     problems = integrity.check_hashes("checkpoints/run/global_step_100", meta["hashes"])
 """
 
@@ -140,7 +140,7 @@ def json_digest(metadata: Mapping[str, Any]) -> str:
 
     Example::
 
-        meta = layout.read_metadata("checkpoints/run/global_step_100")
+        meta = markers.read_metadata("checkpoints/run/global_step_100")
         assert json_digest(meta) == meta["metadata_hash"]  # the marker is as committed
     """
     rest = {k: v for k, v in metadata.items() if k != METADATA_HASH}
@@ -219,7 +219,7 @@ def check_hashes(
 
     Example::
 
-        meta = layout.read_metadata(step)
+        meta = markers.read_metadata(step)
         check_hashes(step, meta["hashes"])  # [] when no byte changed
     """
     root = Path(step)

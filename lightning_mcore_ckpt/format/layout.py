@@ -27,42 +27,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_mcore_ckpt.format import integrity
-from lightning_mcore_ckpt.format.markers import (
-    METADATA_FILE,
-    STARTED_MARKER,
-    is_managed,
-    is_ours,
-    mark_step_started,
-    read_metadata,
-)
+from lightning_mcore_ckpt.format.markers import METADATA_FILE, read_metadata
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import atomic as _atomic
 from lightning_mcore_ckpt.storage import remote_files
-from lightning_mcore_ckpt.storage.lock import LOCK_FILE, DirectoryLock
 
 __all__ = [
     "EXTRA_DIR",
     "EXTRA_FORMAT_VERSION",
     "HF_DIR",
-    "LOCK_FILE",
-    "METADATA_FILE",
     "METADATA_FORMAT_VERSION",
     "MODEL_DIR",
     "OPTIM_DIR",
     "SHARED_DIR",
-    "STARTED_MARKER",
     "TRACKER_FILE",
-    "DirectoryLock",
     "StepDir",
     "check_format",
     "complete_steps",
     "incomplete_steps",
     "is_complete",
-    "is_managed",
-    "is_ours",
-    "mark_step_started",
-    "read_metadata",
     "read_tracker",
     "resolve_checkpoint",
     "resolve_last",

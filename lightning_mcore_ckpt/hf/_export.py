@@ -22,7 +22,7 @@ import torch
 
 import lightning_mcore_ckpt.hf._adapters as _adapters
 import lightning_mcore_ckpt.hf._heads as _heads
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, ExportPlan, plan_export
 from lightning_mcore_ckpt.hf._reader import CheckpointReader, module_prefix
@@ -193,7 +193,7 @@ def export_checkpoint(
         )
     if require_complete and not layout.is_complete(step_path):
         raise ValueError(
-            f"export: {step_path} is incomplete (no valid {layout.METADATA_FILE}: its save never "
+            f"export: {step_path} is incomplete (no valid {markers.METADATA_FILE}: its save never "
             "committed); export a complete step instead (see `lightning-mcore-ckpt ls`)"
         )
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._export import refuse_replacing_inputs
 from lightning_mcore_ckpt.hf._load import load_hf_weights
@@ -106,7 +106,7 @@ def import_checkpoint(
         with _atomic.staged_directory(target, replace=True) as partial:
             (partial / layout.MODEL_DIR).mkdir()
             dist_checkpointing.save(ssd(), str(partial / layout.MODEL_DIR))
-            _atomic.write_json(partial / layout.METADATA_FILE, metadata)
+            _atomic.write_json(partial / markers.METADATA_FILE, metadata)
     return {"tensors": count, "path": str(target), "seconds": time.perf_counter() - start}
 
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(400)
@@ -174,7 +174,7 @@ def test_a_step_written_by_0_1_resumes_exactly(tmp_path: Path) -> None:
     assert resumed["losses"] == here["losses"][STEP:]
     assert resumed["weights"] == here["weights"]
     assert [s.step for s in layout.complete_steps(dirpath)] == [STEP, 6]
-    meta = layout.read_metadata(layout.step_dir(dirpath, 6))
+    meta = markers.read_metadata(layout.step_dir(dirpath, 6))
     assert meta is not None and meta["format_version"] == layout.METADATA_FORMAT_VERSION
 
 
@@ -255,7 +255,7 @@ def test_a_step_of_the_previous_release_is_the_step_this_code_writes(
         assert _objects(_stored(step / part, scratch)) == _objects(_stored(ours / part, scratch))
     extra = Path("extra") / "rank_00000.pt"
     assert _exact_state(step / extra) == _exact_state(ours / extra)
-    theirs, mine = layout.read_metadata(step), layout.read_metadata(ours)
+    theirs, mine = markers.read_metadata(step), markers.read_metadata(ours)
     assert theirs is not None and mine is not None
     assert sorted(theirs) == sorted(mine)
     assert sorted(theirs["hashes"]) == sorted(mine["hashes"])
@@ -273,7 +273,7 @@ def test_a_step_of_the_previous_release_resumes_and_training_goes_on(
     assert len(resumed["losses"]) == _old_run.MAX_STEPS - STEP
     assert [s.step for s in layout.complete_steps(dirpath)] == [STEP, 6]
     assert layout.verify_step(layout.step_dir(dirpath, STEP), deep=True) == []
-    meta = layout.read_metadata(layout.step_dir(dirpath, 6))
+    meta = markers.read_metadata(layout.step_dir(dirpath, 6))
     assert meta is not None and meta["format_version"] == layout.METADATA_FORMAT_VERSION
 
 

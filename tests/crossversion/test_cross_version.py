@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import markers
 from lightning_mcore_ckpt.resume_check._run import _read_run
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 
 HERE = Path(__file__).resolve().parent
 OTHER = os.environ.get("LMC_OTHER_PYTHON")
@@ -118,7 +119,7 @@ def test_a_step_written_by_the_older_version_resumes_exactly_under_the_newer(
     crossed: dict, job: str
 ) -> None:
     root, versions = crossed["root"] / job, crossed["versions"]
-    metadata = layout.read_metadata(root / "written" / f"global_step_{WRITTEN}")
+    metadata = markers.read_metadata(root / "written" / f"global_step_{WRITTEN}")
     wrote = versions["old"]["megatron_core"]
     assert metadata is not None and metadata["versions"]["megatron_core"] == wrote
 
@@ -170,4 +171,4 @@ def test_a_step_written_by_the_newer_version_is_refused_by_the_older_naming_both
     # launcher kills rank 0 (its peer failed first) before it releases it; the next run
     # recovers a dead owner's lock (tests/faults/test_damage_lock_input.py).
     after = sorted(p.relative_to(written) for p in written.rglob("*"))
-    assert [p for p in after if p.name != layout.LOCK_FILE] == before
+    assert [p for p in after if p.name != LOCK_FILE] == before

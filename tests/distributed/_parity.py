@@ -257,7 +257,7 @@ def fit(
     from _trainer import gathered_weights, loader, make_trainer
 
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import layout, markers
 
     if chdir is not None:
         os.chdir(chdir)
@@ -327,11 +327,13 @@ def fit(
     out["step_dirs"] = sorted(p.name for p in root.glob("global_step_*")) if root.is_dir() else []
     complete = layout.complete_steps(root) if root.is_dir() else []
     out["complete"] = [s.step for s in complete]
-    out["monitor"] = {s.step: (layout.read_metadata(s.path) or {}).get("monitor") for s in complete}
+    out["monitor"] = {
+        s.step: (markers.read_metadata(s.path) or {}).get("monitor") for s in complete
+    }
     # The epoch each step records: in metadata.json, and in Lightning's state in extra/.
     out["epochs"] = {
         s.step: {
-            "metadata": (layout.read_metadata(s.path) or {}).get("epoch"),
+            "metadata": (markers.read_metadata(s.path) or {}).get("epoch"),
             "extra": torch.load(
                 s.path / "extra" / "rank_00000.pt", weights_only=False, map_location="cpu"
             )["lightning"].get("epoch"),

@@ -48,9 +48,9 @@ def _retention_across_restarts(rank: int, world_size: int, tmp: str) -> list[dic
     runs = [_fit(tmp, 3, "last", max_to_keep=2)]
     # Left behind: a crashed save of an old step (it has the start marker), a directory named
     # like a step that this package did not write, and files not in the layout.
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import markers
 
-    layout.mark_step_started(Path(tmp, "global_step_1"))
+    markers.mark_step_started(Path(tmp, "global_step_1"))
     Path(tmp, "global_step_1", "model").mkdir(parents=True)
     Path(tmp, "global_step_0", "data").mkdir(parents=True)
     Path(tmp, "notes").mkdir()

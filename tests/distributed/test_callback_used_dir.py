@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +40,7 @@ def _fit_overwriting(rank: int, world_size: int, dirpath: str, steps: int, seed:
 
 def _listing(root: Path) -> dict[str, str]:
     return {
-        s.path.name: (layout.read_metadata(s.path) or {}).get("saved_at", "")
+        s.path.name: (markers.read_metadata(s.path) or {}).get("saved_at", "")
         for s in layout.complete_steps(root)
     }
 
@@ -56,7 +57,7 @@ def test_a_new_run_into_another_runs_directory_is_refused_on_every_rank(tmp_path
         assert "holds complete steps of another run (newest: global_step_4)" in error
         assert 'ckpt_path="last"' in error and "overwrite=True" in error
     assert _listing(root) == before
-    assert not (root / layout.LOCK_FILE).exists()
+    assert not (root / LOCK_FILE).exists()
 
 
 def test_overwrite_replaces_the_other_runs_steps(tmp_path: Path) -> None:
@@ -110,4 +111,4 @@ def test_a_trainer_fitted_again_continues_and_a_new_one_is_still_refused(tmp_pat
         assert error is not None, "a new Trainer from scratch was let into the directory"
         assert "holds complete steps of another run (newest: global_step_6)" in error
     assert sorted(_listing(root)) == ["global_step_2", "global_step_4", "global_step_6"]
-    assert not (root / layout.LOCK_FILE).exists()
+    assert not (root / LOCK_FILE).exists()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_mcore_ckpt.cli import fsck
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.safety.safe_dcp import read_dcp_metadata
 from lightning_mcore_ckpt.testing import run_distributed
 
@@ -84,7 +84,7 @@ def test_a_frozen_base_is_written_once_kept_while_referenced_and_resumed_exactly
         # Only the trainable weight was written into the step; the frozen base is referenced.
         assert own == {TRAINABLE}, own
         assert TRAINABLE not in referenced and len(referenced) > 10
-        meta = layout.read_metadata(step)
+        meta = markers.read_metadata(step)
         assert meta is not None
         assert {f"../shared/{n}" for n in shared} <= set(meta["files"])
         assert layout.verify_step(step, deep=True) == []
@@ -104,7 +104,7 @@ def test_a_frozen_base_is_written_once_kept_while_referenced_and_resumed_exactly
     assert [s.step for s in layout.complete_steps(part)] == [6]
     assert all(r["reused"] > 0 for r in resumed)
     left = {p.name for p in (part / "shared").iterdir()}
-    meta = layout.read_metadata(part / "global_step_6")
+    meta = markers.read_metadata(part / "global_step_6")
     assert meta is not None
     assert left == {n.rsplit("/", 1)[1] for n in meta["files"] if n.startswith("../shared/")}
     assert left and all(n.startswith("global_step_2-") for n in left)

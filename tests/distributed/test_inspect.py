@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from lightning_mcore_ckpt.cli import entry as cli
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -219,11 +219,11 @@ def test_a_dp_reshardable_optimizer_state_cannot_follow_a_model_parallel_change(
     steps: dict[str, Path], tmp_path: Path
 ) -> None:
     step = _without_tensor_files(steps["stateful"], tmp_path)
-    meta = layout.read_metadata(step)
+    meta = markers.read_metadata(step)
     assert meta is not None
     meta["optimizer_sharding"] = "dp_reshardable"  # as Megatron-Core's distributed optimizer saves
     meta.pop("metadata_hash")
-    (step / layout.METADATA_FILE).write_text(json.dumps(meta))
+    (step / markers.METADATA_FILE).write_text(json.dumps(meta))
     code, report = _inspect(step, "--tp", "2")
     assert code == 1
     assert any(

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lightning_mcore_ckpt.cli import fsck
-from lightning_mcore_ckpt.format import integrity, layout
+from lightning_mcore_ckpt.format import integrity, layout, markers
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,7 +57,7 @@ def test_every_file_is_hashed_at_its_commit(tmp_path: Path, async_save: bool, wr
     run = tmp_path / "run"
     ranks = run_distributed(_run, 2, str(run), async_save, writer, timeout=250)
     for step in layout.complete_steps(run):
-        meta = layout.read_metadata(step.path)
+        meta = markers.read_metadata(step.path)
         assert meta is not None and meta["format_version"] == 2
         # Every file of the step (metadata.json aside: it holds its own digest) has a digest,
         # and each is the digest of the file's bytes.
@@ -96,15 +96,15 @@ def test_a_flipped_byte_in_any_file_is_found_by_the_deep_check_and_last_falls_ba
     saved_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     step = saved_run / "global_step_4"
-    meta = layout.read_metadata(step)
+    meta = markers.read_metadata(step)
     assert meta is not None
-    names = [*meta["files"], layout.METADATA_FILE]
+    names = [*meta["files"], markers.METADATA_FILE]
     assert any(n.endswith(".distcp") for n in names) and any(n.startswith("extra/") for n in names)
     for name in names:
         run = tmp_path / name.replace("/", "_")
         shutil.copytree(saved_run, run)
         file = run / "global_step_4" / name
-        if name == layout.METADATA_FILE:
+        if name == markers.METADATA_FILE:
             # A change that keeps it valid JSON (a digit of the save time).
             text = file.read_text()
             at = text.index('"saved_at": "') + len('"saved_at": "') + 3
@@ -123,7 +123,7 @@ def test_a_flipped_byte_in_any_file_is_found_by_the_deep_check_and_last_falls_ba
 
 
 def test_a_truncated_file_is_found_by_the_fast_check(saved_run: Path, tmp_path: Path) -> None:
-    meta = layout.read_metadata(saved_run / "global_step_4")
+    meta = markers.read_metadata(saved_run / "global_step_4")
     assert meta is not None
     for name in meta["files"]:
         run = tmp_path / name.replace("/", "_")

@@ -40,7 +40,7 @@ def _measure(rank: int, world_size: int, root: str, cap: int | None, threads: in
     from _trainer import loader, make_trainer
 
     from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import markers
     from lightning_mcore_ckpt.tiny import TinyGPTModule, tiny_gpt
 
     class Wider(TinyGPTModule):  # type: ignore[misc]
@@ -92,7 +92,7 @@ def _measure(rank: int, world_size: int, root: str, cap: int | None, threads: in
     step = Path(root, "global_step_2")
     files = [f for d in ("model", "optim") for f in (step / d).glob(f"__{rank}_*.distcp")]
     seen["state_bytes"] = sum(f.stat().st_size for f in files)
-    seen["metadata"] = layout.read_metadata(step)
+    seen["metadata"] = markers.read_metadata(step)
     return seen
 
 

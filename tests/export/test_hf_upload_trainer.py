@@ -28,7 +28,7 @@ def _train(rank: int, world_size: int, tmp: str, case: str) -> dict[str, Any]:
     from lightning.pytorch.loggers.logger import Logger
 
     from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import layout, markers
     from lightning_mcore_ckpt.hf import _upload
     from lightning_mcore_ckpt.tiny import HFGPTModule
 
@@ -43,7 +43,7 @@ def _train(rank: int, world_size: int, tmp: str, case: str) -> dict[str, Any]:
         return [
             s.step
             for s in layout.complete_steps(ckpt)
-            if "hf_model" in (layout.read_metadata(s.path) or {}).get("contents", [])
+            if "hf_model" in (markers.read_metadata(s.path) or {}).get("contents", [])
         ]
 
     def create_repo(api: Any, repo_id: str, **kwargs: Any) -> Any:

@@ -87,15 +87,15 @@ def relist(step: Path) -> None:
     signatures."""
     import json
 
-    from lightning_mcore_ckpt.format import integrity, layout
+    from lightning_mcore_ckpt.format import integrity, markers
 
-    meta = json.loads((step / layout.METADATA_FILE).read_text())
+    meta = json.loads((step / markers.METADATA_FILE).read_text())
     files = [
         p
         for p in sorted(step.rglob("*"))
-        if p.is_file() and p.relative_to(step).as_posix() != layout.METADATA_FILE
+        if p.is_file() and p.relative_to(step).as_posix() != markers.METADATA_FILE
     ]
     meta["files"] = {p.relative_to(step).as_posix(): p.stat().st_size for p in files}
     meta["hashes"] = {p.relative_to(step).as_posix(): integrity.hash_file(p) for p in files}
     meta[integrity.METADATA_HASH] = integrity.json_digest(meta)
-    (step / layout.METADATA_FILE).write_text(json.dumps(meta))
+    (step / markers.METADATA_FILE).write_text(json.dumps(meta))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE, DirectoryLock
 
 OTHER_HOST = "another-node"
 
@@ -38,9 +38,9 @@ def write_lock(
     data = (json.dumps(record, indent=2) + "\n").encode()
     incoming = root / f".incoming-lock-{os.getpid()}"
     incoming.write_bytes(data)
-    os.replace(incoming, root / layout.LOCK_FILE)
+    os.replace(incoming, root / LOCK_FILE)
     beat = time.time() - heartbeat_age_s
-    os.utime(root / layout.LOCK_FILE, (beat, beat))
+    os.utime(root / LOCK_FILE, (beat, beat))
     return data
 
 
@@ -49,7 +49,7 @@ def race(root: str, job_id: str | None, start: Any, done: Any, rounds: int, resu
     for number in range(rounds):
         start.wait()
         try:
-            layout.DirectoryLock(root, job_id=job_id).acquire()
+            DirectoryLock(root, job_id=job_id).acquire()
             outcome = "won"
         except RuntimeError as err:
             outcome = str(err)

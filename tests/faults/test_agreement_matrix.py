@@ -35,11 +35,12 @@ import pytest
 from _faulty import FAULT_STEP, MAX_STEPS, events, listing, run_cases
 
 from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(900)
 
-LOCK, TRACKER = layout.LOCK_FILE, layout.TRACKER_FILE
+LOCK, TRACKER = LOCK_FILE, layout.TRACKER_FILE
 STEP = f"global_step_{FAULT_STEP}"
 
 # point -> (injected error, failing ranks, what every rank's error says, steps on disk after)

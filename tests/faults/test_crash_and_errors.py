@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 from _faulty import FAULT_STEP, MAX_STEPS, listing, same_run, train
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)
 
-LOCK = layout.LOCK_FILE
+LOCK = LOCK_FILE
 TP2 = {"tp": 2}
 TRACKER = layout.TRACKER_FILE
 
@@ -107,7 +108,7 @@ def test_sigkill_while_either_shard_writer_writes_loses_nothing(
         f"global_step_{FAULT_STEP}?",
     ]
     # Step 2 was written by that writer, in that mode ("mcore": Megatron-Core's own).
-    meta = layout.read_metadata(layout.step_dir(tmp_path / "ckpt", 2))
+    meta = markers.read_metadata(layout.step_dir(tmp_path / "ckpt", 2))
     assert meta is not None and meta["async"] is async_save
     assert meta["writer"] == ("threads" if writer == "threads" else "mcore")
     resumed = run_distributed(train, 1, str(tmp_path), None, options, timeout=200)[0]

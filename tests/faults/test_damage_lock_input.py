@@ -18,7 +18,8 @@ import pytest
 import torch
 from _faulty import MAX_STEPS, listing, train
 
-from lightning_mcore_ckpt.format import layout, retention
+from lightning_mcore_ckpt.format import layout, markers, retention
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE, DirectoryLock
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,11 +83,11 @@ DAMAGE = {
 
 def _unlisted(step: Path) -> None:
     # As committed before files were listed: no list, no digests, no seal.
-    meta = layout.read_metadata(step)
+    meta = markers.read_metadata(step)
     assert meta is not None and "files" in meta
     for field in ("files", "hashes", "metadata_hash"):
         del meta[field]
-    (step / layout.METADATA_FILE).write_text(json.dumps(meta))
+    (step / markers.METADATA_FILE).write_text(json.dumps(meta))
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -117,7 +118,7 @@ def test_corrupt_metadata_or_garbage_tracker_fall_back_to_the_scan(
     with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt.format.layout"):
         assert layout.resolve_last(root) == layout.step_dir(root, 6)
     assert "is unreadable; newest complete step by scan: global_step_6" in caplog.text
-    (layout.step_dir(root, 6) / layout.METADATA_FILE).write_text('{"global_step": 6, ')
+    (layout.step_dir(root, 6) / markers.METADATA_FILE).write_text('{"global_step": 6, ')
     assert layout.resolve_last(root) == layout.step_dir(root, 4)
     with pytest.raises(FileNotFoundError, match=r"global_step_6 is incomplete .*global_step_4"):
         layout.resolve_checkpoint(layout.step_dir(root, 6))
@@ -176,14 +177,14 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_recovered(tmp_path: 
     root.mkdir()
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        (root / layout.LOCK_FILE).write_text(_lock_for(other.pid))
+        (root / LOCK_FILE).write_text(_lock_for(other.pid))
         (refused,) = run_distributed(_try_fit, 1, str(tmp_path), timeout=200)
         assert (
             f"is in use by another run (pid {other.pid} on {socket.gethostname()}"
             in (refused["error"])
         )
-        assert f"if it is dead, delete {root / layout.LOCK_FILE}" in refused["error"]
-        assert listing(tmp_path) == [layout.LOCK_FILE]  # nothing was written
+        assert f"if it is dead, delete {root / LOCK_FILE}" in refused["error"]
+        assert listing(tmp_path) == [LOCK_FILE]  # nothing was written
     finally:
         other.kill()
         other.wait()
@@ -193,17 +194,17 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_recovered(tmp_path: 
 
 
 def test_a_lock_from_another_host_is_honoured_until_its_heartbeat_stops(tmp_path: Path) -> None:
-    lock_file = tmp_path / layout.LOCK_FILE
+    lock_file = tmp_path / LOCK_FILE
     lock_file.write_text(_lock_for(12345, host="another-node"))
     with pytest.raises(RuntimeError, match="in use by another run \\(pid 12345 on another-node"):
-        layout.DirectoryLock(tmp_path, stale_after_s=300).acquire()
+        DirectoryLock(tmp_path, stale_after_s=300).acquire()
     stale = time.time() - 301
     os.utime(lock_file, (stale, stale))
-    lock = layout.DirectoryLock(tmp_path, stale_after_s=300)
+    lock = DirectoryLock(tmp_path, stale_after_s=300)
     lock.acquire()
     assert json.loads(lock_file.read_text())["pid"] == os.getpid()
     with pytest.raises(RuntimeError, match=f"pid {os.getpid()}"):
-        layout.DirectoryLock(tmp_path).acquire()  # a live owner on this host: refused
+        DirectoryLock(tmp_path).acquire()  # a live owner on this host: refused
     lock.release()
     assert not lock_file.exists()
 
@@ -273,8 +274,8 @@ def test_nothing_without_this_packages_marker_is_deleted(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="has no lightning-mcore-ckpt marker"):
         retention.remove_step(foreign)
     assert (foreign / "model" / "data.bin").read_bytes() == b"user data"
-    assert not layout.is_ours(foreign)
-    layout.mark_step_started(layout.step_dir(tmp_path, 5))
-    assert layout.is_ours(layout.step_dir(tmp_path, 5))
+    assert not markers.is_ours(foreign)
+    markers.mark_step_started(layout.step_dir(tmp_path, 5))
+    assert markers.is_ours(layout.step_dir(tmp_path, 5))
     retention.remove_step(layout.step_dir(tmp_path, 5))
     assert not layout.step_dir(tmp_path, 5).exists()

@@ -27,12 +27,13 @@ import pytest
 import torch
 from _faulty import FAULT_STEP, listing, run, train
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 
-LOCK, TRACKER = layout.LOCK_FILE, layout.TRACKER_FILE
+LOCK, TRACKER = LOCK_FILE, layout.TRACKER_FILE
 
 
 def _own_sizes(step: Path, rank: int) -> dict[str, int]:
@@ -118,7 +119,7 @@ def _fail_while_committing(
         return commit(self, target, *args)
 
     def marker_write(path: Any, text: str) -> None:
-        marker = Path(path).name == layout.METADATA_FILE
+        marker = Path(path).name == markers.METADATA_FILE
         if failing[0] and marker and Path(path).parent.name == f"global_step_{COMMITTING}":
             raise OSError(errno.EACCES, "Permission denied (injected in the commit marker)")
         write_text(path, text)
@@ -320,7 +321,7 @@ def test_a_failed_final_export_is_loud_everywhere_and_the_step_stays(tmp_path: P
     final = layout.step_dir(root, 4)
     assert layout.is_complete(final) and layout.verify_step(final) == []
     assert layout.read_tracker(root) == 4
-    assert "hf_model" not in layout.read_metadata(final)["contents"]  # type: ignore[index]
+    assert "hf_model" not in markers.read_metadata(final)["contents"]  # type: ignore[index]
     assert LOCK not in listing(tmp_path)
 
 
@@ -368,7 +369,7 @@ def test_saves_by_hand_and_links_in_the_run_directory_are_never_deleted(tmp_path
     root = tmp_path / "ckpt"
     run_distributed(_fit_and_save_by_hand, 2, str(tmp_path), 4, timeout=300)
     for name in ("global_step_1", "for_eval"):  # committed by the save itself
-        meta = layout.read_metadata(root / name)
+        meta = markers.read_metadata(root / name)
         assert meta is not None and meta["manual"] is True and meta["global_step"] == 4
         assert layout.verify_step(root / name) == []
     # A link to a step of another run, named like one of ours.

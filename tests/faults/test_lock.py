@@ -24,7 +24,7 @@ import pytest
 from _locks import OTHER_HOST, race, write_lock
 
 from lightning_mcore_ckpt.format import layout
-from lightning_mcore_ckpt.storage.lock import JOB_ID_ENV, job_identity
+from lightning_mcore_ckpt.storage.lock import JOB_ID_ENV, LOCK_FILE, DirectoryLock, job_identity
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,7 +75,7 @@ def test_of_processes_racing_for_a_lock_exactly_one_wins_every_round(
     ]
     for p in racers:
         p.start()
-    lock_file = tmp_path / layout.LOCK_FILE
+    lock_file = tmp_path / LOCK_FILE
     try:
         for number in range(ROUNDS):
             lock_file.unlink(missing_ok=True)
@@ -95,7 +95,7 @@ def test_of_processes_racing_for_a_lock_exactly_one_wins_every_round(
             for pid, outcome in outcomes.items():
                 assert pid == winners[0] or holder in outcome, (number, outcome)
             assert json.loads(lock_file.read_text())["pid"] == winners[0]
-            assert sorted(os.listdir(tmp_path)) == [layout.LOCK_FILE]
+            assert sorted(os.listdir(tmp_path)) == [LOCK_FILE]
             done.wait(timeout=120)
     finally:
         for p in racers:
@@ -146,10 +146,10 @@ def test_a_requeued_job_takes_over_its_lock_from_another_host_at_once(
         monkeypatch.setenv(name, value)
     job = job_identity()
     write_lock(tmp_path, job_id=job)  # its heartbeat is fresh: the node was just lost
-    lock = layout.DirectoryLock(tmp_path)
+    lock = DirectoryLock(tmp_path)
     with caplog.at_level(logging.WARNING, logger="lightning_mcore_ckpt"):
         lock.acquire()
-    held = json.loads((tmp_path / layout.LOCK_FILE).read_text())
+    held = json.loads((tmp_path / LOCK_FILE).read_text())
     assert (held["pid"], held["host"], held["job_id"]) == (os.getpid(), socket.gethostname(), job)
     assert f"from a run that is gone (pid 4242 on {OTHER_HOST}, job {job}," in caplog.text
     lock.release()
@@ -168,15 +168,15 @@ def test_a_live_lock_of_another_job_is_refused_naming_its_holder(
         monkeypatch.setenv(name, value)
     before = write_lock(tmp_path, job_id=theirs, heartbeat_age_s=200)
     with pytest.raises(RuntimeError) as refused:
-        layout.DirectoryLock(tmp_path, stale_after_s=300).acquire()
+        DirectoryLock(tmp_path, stale_after_s=300).acquire()
     message = str(refused.value)
     holder = f"in use by another run (pid 4242 on {OTHER_HOST}, job {theirs}, since "
     assert holder in message
     assert re.search(r"heartbeat 20\ds ago", message)
     assert f"this run's job: {job_identity()}" in message
-    assert f"if it is dead, delete {tmp_path / layout.LOCK_FILE}" in message
-    assert (tmp_path / layout.LOCK_FILE).read_bytes() == before
-    assert os.listdir(tmp_path) == [layout.LOCK_FILE]
+    assert f"if it is dead, delete {tmp_path / LOCK_FILE}" in message
+    assert (tmp_path / LOCK_FILE).read_bytes() == before
+    assert os.listdir(tmp_path) == [LOCK_FILE]
 
 
 def test_the_same_job_does_not_take_over_from_a_process_here_that_still_runs(
@@ -190,8 +190,8 @@ def test_the_same_job_does_not_take_over_from_a_process_here_that_still_runs(
         [
             sys.executable,
             "-c",
-            "import sys, time; from lightning_mcore_ckpt import layout; "
-            f"layout.DirectoryLock({str(tmp_path)!r}).acquire(); print('held', flush=True); "
+            "import sys, time; from lightning_mcore_ckpt.storage.lock import DirectoryLock; "
+            f"DirectoryLock({str(tmp_path)!r}).acquire(); print('held', flush=True); "
             "time.sleep(120)",
         ],
         stdout=subprocess.PIPE,
@@ -200,13 +200,13 @@ def test_the_same_job_does_not_take_over_from_a_process_here_that_still_runs(
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with pytest.raises(RuntimeError, match=f"pid {holder.pid} on .*, job exp-1,"):
-            layout.DirectoryLock(tmp_path).acquire()
+            DirectoryLock(tmp_path).acquire()
     finally:
         holder.kill()
         holder.wait()
-    lock = layout.DirectoryLock(tmp_path)
+    lock = DirectoryLock(tmp_path)
     lock.acquire()
-    assert json.loads((tmp_path / layout.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
 
 
@@ -216,8 +216,8 @@ def test_the_same_job_does_not_take_over_from_a_process_here_that_still_runs(
 def test_a_heartbeat_that_lost_its_lock_leaves_the_new_holders_lock_alone(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    lock_file = tmp_path / layout.LOCK_FILE
-    lock = layout.DirectoryLock(tmp_path)
+    lock_file = tmp_path / LOCK_FILE
+    lock = DirectoryLock(tmp_path)
     lock.acquire()
     old = time.time() - 100
     os.utime(lock_file, (old, old))
@@ -243,11 +243,11 @@ def test_a_heartbeat_that_lost_its_lock_leaves_the_new_holders_lock_alone(
 
 
 def test_a_release_while_another_run_takes_the_lock_over_leaves_theirs(tmp_path: Path) -> None:
-    lock = layout.DirectoryLock(tmp_path)
+    lock = DirectoryLock(tmp_path)
     lock.acquire()
     theirs = write_lock(tmp_path, job_id="slurm:99")
     lock.release()  # no heartbeat noticed it: the release itself must look
-    assert (tmp_path / layout.LOCK_FILE).read_bytes() == theirs
+    assert (tmp_path / LOCK_FILE).read_bytes() == theirs
 
 
 def _fit_until_error(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
@@ -272,9 +272,9 @@ def test_a_run_whose_lock_was_taken_over_writes_no_more_steps(tmp_path: Path) ->
     assert "this run lost the lock" in result["error"]
     assert f"pid 4242 on {OTHER_HOST}, job slurm:4242" in result["error"]
     root = tmp_path / "ckpt"
-    assert listing(tmp_path) == [layout.LOCK_FILE, "global_step_2", layout.TRACKER_FILE]
+    assert listing(tmp_path) == [LOCK_FILE, "global_step_2", layout.TRACKER_FILE]
     assert layout.read_tracker(root) == 2
-    assert json.loads((root / layout.LOCK_FILE).read_text())["job_id"] == "slurm:4242"
+    assert json.loads((root / LOCK_FILE).read_text())["job_id"] == "slurm:4242"
 
 
 def test_a_claim_left_by_a_run_killed_while_releasing_its_lock_does_not_block_the_next(
@@ -286,8 +286,8 @@ def test_a_claim_left_by_a_run_killed_while_releasing_its_lock_does_not_block_th
         [
             sys.executable,
             "-c",
-            "import time; from lightning_mcore_ckpt import layout; "
-            f"lock = layout.DirectoryLock({str(tmp_path)!r}); lock.acquire(); "
+            "import time; from lightning_mcore_ckpt.storage.lock import DirectoryLock; "
+            f"lock = DirectoryLock({str(tmp_path)!r}); lock.acquire(); "
             "assert lock._create(lock._claim_path(lock._data), lock._data); "
             "print('claimed', flush=True); time.sleep(120)",
         ],
@@ -299,24 +299,24 @@ def test_a_claim_left_by_a_run_killed_while_releasing_its_lock_does_not_block_th
     finally:
         holder.kill()
         holder.wait()
-    assert len(list(tmp_path.glob(f"{layout.LOCK_FILE}.claim-*"))) == 1
+    assert len(list(tmp_path.glob(f"{LOCK_FILE}.claim-*"))) == 1
     started = time.monotonic()
-    lock = layout.DirectoryLock(tmp_path)
+    lock = DirectoryLock(tmp_path)
     lock.acquire()
     assert time.monotonic() - started < 5  # not the 10 s wait for a live claimant
-    assert json.loads((tmp_path / layout.LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert list(tmp_path.glob(f"{layout.LOCK_FILE}.claim-*")) == []
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert list(tmp_path.glob(f"{LOCK_FILE}.claim-*")) == []
     lock.release()
 
 
 def test_an_old_claim_from_another_host_does_not_block_the_next_run(tmp_path: Path) -> None:
     data = write_lock(tmp_path, heartbeat_age_s=3600)  # another host's, stale
-    claim = tmp_path / f"{layout.LOCK_FILE}.claim-{hashlib.sha256(data).hexdigest()[:16]}"
+    claim = tmp_path / f"{LOCK_FILE}.claim-{hashlib.sha256(data).hexdigest()[:16]}"
     claim.write_bytes(data.replace(b"4242", b"4343"))  # a takeover by another host, never done
     old = time.time() - 3600
     os.utime(claim, (old, old))
-    lock = layout.DirectoryLock(tmp_path)
+    lock = DirectoryLock(tmp_path)
     lock.acquire()
-    assert json.loads((tmp_path / layout.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert not claim.exists()
     lock.release()

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -221,12 +221,12 @@ def test_a_step_is_durable_before_its_marker_and_the_tracker_before_retention(
     steps = [s for s in layout.complete_steps(root)]
     assert [s.step for s in steps] == [4, 6]  # max_to_keep=2: step 2 was deleted
     for step in steps:
-        marker = str(step.path / layout.METADATA_FILE)
+        marker = str(step.path / markers.METADATA_FILE)
         commit = next(
             c for c in calls if c.name in RENAMES and len(c.paths) > 1 and c.paths[1] == marker
         )
         files = sorted(
-            p for p in step.path.rglob("*") if p.is_file() and p.name != layout.METADATA_FILE
+            p for p in step.path.rglob("*") if p.is_file() and p.name != markers.METADATA_FILE
         )
         assert any(f.parent.name == "extra" and f.name.startswith("rank_00001") for f in files)
         # 1. Every file of every rank (shards, indexes, metadata.json of model/ and optim/,
@@ -262,7 +262,7 @@ def test_a_step_is_durable_before_its_marker_and_the_tracker_before_retention(
         calls,
         RENAMES,
         str(root / layout.TRACKER_FILE),
-        after=_first(calls, RENAMES, str(layout.step_dir(root, 4) / layout.METADATA_FILE)).end,
+        after=_first(calls, RENAMES, str(layout.step_dir(root, 4) / markers.METADATA_FILE)).end,
     )
     tracker_4_durable = _first(calls, FSYNCS, str(root), after=tracker_4.end)
     assert tracker_4_durable.end <= min(c.start for c in deletions)
@@ -275,9 +275,9 @@ def test_the_damage_check_covers_every_file_of_a_step(traced: tuple[list[Call], 
     _, root = traced
     step = layout.complete_steps(root)[-1].path
     assert layout.verify_step(step) == []
-    manifest = layout.read_metadata(step)["files"]  # type: ignore[index]
+    manifest = markers.read_metadata(step)["files"]  # type: ignore[index]
     on_disk = {p.relative_to(step).as_posix() for p in step.rglob("*") if p.is_file()}
-    assert set(manifest) == on_disk - {layout.METADATA_FILE}
+    assert set(manifest) == on_disk - {markers.METADATA_FILE}
     for name in sorted(manifest):
         file = step / name
         data = file.read_bytes()

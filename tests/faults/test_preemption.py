@@ -24,7 +24,8 @@ import pytest
 from _faulty import FAULT_STEP, events, listing, same_run, train
 
 from lightning_mcore_ckpt import MegatronCheckpoint
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,8 +69,8 @@ def _scontrol(tmp: Path) -> tuple[dict[str, str], Path]:
         _SCONTROL.format(
             python=sys.executable,
             tracker=TRACKER,
-            metadata=layout.METADATA_FILE,
-            lock=layout.LOCK_FILE,
+            metadata=markers.METADATA_FILE,
+            lock=LOCK_FILE,
         )
     )
     script.chmod(0o755)
@@ -103,7 +104,7 @@ def _assert_not_preempted(results: list[dict[str, Any]]) -> None:
 
 
 def _assert_saved_without_hpc(run: Path) -> None:
-    meta = layout.read_metadata(run / "ckpt" / f"global_step_{PREEMPTED_AT}")
+    meta = markers.read_metadata(run / "ckpt" / f"global_step_{PREEMPTED_AT}")
     assert meta is not None and meta["async"] is False  # written before exiting
     assert listing(run) == ["global_step_2", f"global_step_{PREEMPTED_AT}", TRACKER]  # no lock
     assert not list(run.glob("hpc_ckpt_*"))  # Lightning's own SLURM save was not made
@@ -218,9 +219,9 @@ def test_a_signal_during_a_save_stops_cleanly_after_the_next_step(
     assert listing(run) == ["global_step_2", f"global_step_{FAULT_STEP}", "global_step_5", TRACKER]
     for step in (2, FAULT_STEP, 5):
         assert layout.verify_step(layout.step_dir(run / "ckpt", step)) == []
-    interrupted = layout.read_metadata(layout.step_dir(run / "ckpt", FAULT_STEP))
+    interrupted = markers.read_metadata(layout.step_dir(run / "ckpt", FAULT_STEP))
     assert interrupted is not None and interrupted["async"] is async_save
-    preempted = layout.read_metadata(layout.step_dir(run / "ckpt", 5))
+    preempted = markers.read_metadata(layout.step_dir(run / "ckpt", 5))
     assert preempted is not None and preempted["async"] is False
     assert layout.read_tracker(run / "ckpt") == 5
     resumed = run_distributed(train, 2, str(run), None, options, timeout=250)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_mcore_ckpt import _compat, check_resume
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import markers
 from lightning_mcore_ckpt.resume_check import ResumeJob
 
 
@@ -72,5 +72,5 @@ def test_async_saves_through_nvrx_resume_exactly(tmp_path: Path) -> None:
     )
     assert report.exact, str(report)
     for how in ("sigterm", "kill"):
-        metadata = layout.read_metadata(tmp_path / "work" / how / "checkpoints" / "global_step_4")
+        metadata = markers.read_metadata(tmp_path / "work" / how / "checkpoints" / "global_step_4")
         assert metadata is not None and metadata["writer"] == _compat.NVRX, metadata

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_mcore_ckpt import check_resume
-from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.format import markers
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = [
@@ -68,7 +68,7 @@ def test_one_gpu_resumes_exactly(tmp_path: Path, cell: tuple[Any, ...]) -> None:
     )
     assert report.exact, str(report)
     step = tmp_path / "work" / "sigterm" / "checkpoints" / "global_step_3"
-    metadata = layout.read_metadata(step)
+    metadata = markers.read_metadata(step)
     assert metadata is not None
     assert metadata.get("optimizer_sharding") == (sharding if optimizer == "distributed" else None)
     assert "torch_cuda" not in str(metadata)  # RNG lives in extra/, per rank

@@ -38,6 +38,7 @@ ALLOWED = {
     "lightning_mcore_ckpt.errors",
     "lightning_mcore_ckpt.format.integrity",
     "lightning_mcore_ckpt.format.layout",
+    "lightning_mcore_ckpt.format.markers",
 }
 PUBLIC = [
     "DEFAULT_MAX_SHARD_BYTES",

@@ -92,7 +92,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A Hugging Face model, and a complete step imported from it with its export inside."""
     from lightning_mcore_ckpt import hf
     from lightning_mcore_ckpt.callback._export import export_into_committed
-    from lightning_mcore_ckpt.format import layout
+    from lightning_mcore_ckpt.format import markers
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
     root = tmp_path_factory.mktemp("upload")
@@ -101,7 +101,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     hf.import_checkpoint(src, step)
     # As a run does it: exported into the committed step, the copy's digests sealed.
     export_into_committed(hf.HFExport(src), step)
-    assert any(k.startswith("huggingface/") for k in layout.read_metadata(step)["hashes"])
+    assert any(k.startswith("huggingface/") for k in markers.read_metadata(step)["hashes"])
     return src, step
 
 

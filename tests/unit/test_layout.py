@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mcore_ckpt.format import layout, retention
+from lightning_mcore_ckpt.format import layout, markers, retention
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
 
@@ -20,7 +20,7 @@ def _step(root: Path, step: int, complete: bool = True, monitor: float | None = 
         meta = {"format_version": 1, "global_step": step, "contents": [], "monitor": None}
         if monitor is not None:
             meta["monitor"] = {"name": "val_loss", "value": monitor}
-        _atomic.write_json(d / layout.METADATA_FILE, meta)
+        _atomic.write_json(d / markers.METADATA_FILE, meta)
     return d
 
 
@@ -28,7 +28,7 @@ def test_complete_means_a_readable_metadata_json(tmp_path: Path) -> None:
     done = _step(tmp_path, 2)
     half = _step(tmp_path, 4, complete=False)
     garbled = _step(tmp_path, 6, complete=False)
-    (garbled / layout.METADATA_FILE).write_text("{not json")
+    (garbled / markers.METADATA_FILE).write_text("{not json")
     (tmp_path / "global_step_x").mkdir()  # not ours
     (tmp_path / "notes").mkdir()
     assert layout.is_complete(done) and not layout.is_complete(half)
@@ -163,10 +163,10 @@ def test_remove_step_drops_the_marker_first_and_refuses_other_directories(tmp_pa
 
 def test_a_step_in_a_newer_format_is_refused_naming_both_versions(tmp_path: Path) -> None:
     d = _step(tmp_path, 3)
-    meta = layout.read_metadata(d)
+    meta = markers.read_metadata(d)
     assert meta is not None
     layout.check_format(d)  # this format: accepted
-    _atomic.write_json(d / layout.METADATA_FILE, {**meta, "format_version": 99})
+    _atomic.write_json(d / markers.METADATA_FILE, {**meta, "format_version": 99})
     reads = f"format 99; this lightning-mcore-ckpt reads format {layout.METADATA_FORMAT_VERSION}"
     with pytest.raises(ValueError, match=reads):
         layout.check_format(d)

@@ -15,7 +15,7 @@ import pytest
 
 from lightning_mcore_ckpt.cli import report
 from lightning_mcore_ckpt.cli.entry import main as cli_main
-from lightning_mcore_ckpt.format import layout, metrics
+from lightning_mcore_ckpt.format import layout, markers, metrics
 
 
 @pytest.mark.parametrize("data_bytes", [0, 7, 9_000, 99_380, 999_400, 123_456_789_012])
@@ -90,7 +90,7 @@ def _step(root: Path, step: int, **figures: Any) -> Path:
     }
     meta.update(figures)
     text, _ = metrics.encode_metadata(meta, metrics.tree_bytes(path))
-    (path / layout.METADATA_FILE).write_text(text)
+    (path / markers.METADATA_FILE).write_text(text)
     return path
 
 
@@ -110,7 +110,7 @@ def run_dir(tmp_path: Path) -> Path:
     (layout.step_dir(root, 30) / "model").mkdir(parents=True)  # crashed mid-write
     garbled = layout.step_dir(root, 40)
     garbled.mkdir()
-    (garbled / layout.METADATA_FILE).write_text("{ not json")
+    (garbled / markers.METADATA_FILE).write_text("{ not json")
     layout.write_tracker(root, 20)
     return root
 

@@ -6,7 +6,7 @@ fp32 tensors of 64 MiB) saved with torch DCP into 2 files, then, round after rou
 turn with the page cache dropped first:
 
 - ``limit``: the files read cold, one thread per file (as many streams as the reader uses);
-- ``bounce32`` / ``bounce128``: :class:`~lightning_mcore_ckpt.engine._reading.ParallelFileSystemReader`
+- ``bounce32`` / ``bounce128``: :class:`~lightning_mcore_ckpt.engine._parallel_reader.ParallelFileSystemReader`
   loading into CUDA tensors through pinned buffers of 32 MiB (the default) / 128 MiB;
 - ``pageable``: the same reader with device records sent through ``torch.load`` into pageable
   host memory and a copy (what it did before the pinned path).
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_mcore_ckpt.engine import _reading
+from lightning_mcore_ckpt.engine import _parallel_reader
 
 MiB = 1024 * 1024
 
@@ -73,20 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=2))
     files = [str(p) for p in directory.glob("*.distcp")]
     targets = {k: torch.empty_like(v, device="cuda") for k, v in state.items()}
-    stock = _reading._read_into
+    stock = _parallel_reader._read_into
 
     def pageable(stream: Any, offset: int, layout: torch.Tensor, target: torch.Tensor) -> bool:
         return target.device.type == "cpu" and stock(stream, offset, layout, target)
 
     def load(mode: str) -> float:
-        _reading._read_into = pageable if mode == "pageable" else stock  # type: ignore[assignment]
-        _reading.DeviceBounce.CHUNK = (128 if mode == "bounce128" else 32) * MiB
+        _parallel_reader._read_into = pageable if mode == "pageable" else stock  # type: ignore[assignment]
+        _parallel_reader.DeviceBounce.CHUNK = (128 if mode == "bounce128" else 32) * MiB
         for target in targets.values():
             target.fill_(-1)
         _drop(files)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        dcp.load(targets, storage_reader=_reading.ParallelFileSystemReader(directory, 2))
+        dcp.load(targets, storage_reader=_parallel_reader.ParallelFileSystemReader(directory, 2))
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         assert all(torch.equal(targets[k].cpu(), v) for k, v in state.items()), mode
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         results["rounds"].append(row)
         print(row, flush=True)
         Path(args.out, "device-reads.json").write_text(json.dumps(results, indent=1) + "\n")
-    _reading._read_into = stock  # type: ignore[assignment]
+    _parallel_reader._read_into = stock  # type: ignore[assignment]
     return 0
 
 

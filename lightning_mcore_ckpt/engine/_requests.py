@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt.engine._agreeing import defer_metadata_errors
+from lightning_mcore_ckpt.engine._agreeing_save_strategy import defer_metadata_errors
 from lightning_mcore_ckpt.engine._records import SaveOptions
 from lightning_mcore_ckpt.engine._shards import BackgroundWrites
 from lightning_mcore_ckpt.format import markers
@@ -44,7 +44,7 @@ class PendingSave:
     device: torch.device
     """Where the finalising collectives place their tensors."""
     kept: list[BaseException]
-    """Rank 0's finalisation errors, kept to be shared (see ``_agreeing``)."""
+    """Rank 0's finalisation errors, kept to be shared (see ``_agreeing_save_strategy``)."""
 
 
 def create_step_directories(path: Path, contents: Sequence[str], managed: bool) -> str | None:

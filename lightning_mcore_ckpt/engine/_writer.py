@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine import _collectives
-from lightning_mcore_ckpt.engine._agreeing import save_strategy
+from lightning_mcore_ckpt.engine._agreeing_save_strategy import save_strategy
 from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import commit_unowned
@@ -145,21 +146,68 @@ class CheckpointWriter:
         _compat.drain_write_results()  # what a failed save left would go into this one
         path = Path(broadcast(str(filepath)))
         contents = list(options.contents)
+        failure = self._create_step(path, contents, state)
+        if failure is not None:
+            return self._failed(path, failure, options)
+
+        # Sync and async saves take the same path (plan and stage here, write inline or in the
+        # background, then finalise), as dist_checkpointing.save does: the same phases timed.
+        async_save = self.async_save and not options.synchronous
+        kept: list[BaseException] = []  # rank 0's finalisation errors, shared after
+        request, write_timer, sharding = self._plan_and_stage(
+            path, contents, state, async_save, kept
+        )
+
+        extra_write_s, failure = self._write_extra_agreed(path, contents, checkpoint, state)
+        if failure is not None:
+            return self._failed(path, failure, options)
+        timings = {"start": start, "extra_write_s": extra_write_s}
+        base = self._record_base(checkpoint, path, contents, async_save, sharding, state)
+
+        if async_save:  # written in the background; finalize() completes it
+            call_id = self._get_async_queue(state.device).schedule_async_request(request)
+            timings["call_s"] = time.perf_counter() - start
+            self._pending = PendingSave(
+                path, [call_id], timings, base, options, write_timer, state.device, kept
+            )
+            return None
+
+        failure = self._write_inline(request, path, state, kept)
+        if failure is not None:
+            return self._failed(path, failure, options)
+        timings["call_s"] = time.perf_counter() - start
+        self._complete(base, timings, write_timer, options, state.device)
+        return None
+
+    def _create_step(
+        self, path: Path, contents: Sequence[str], state: TrainingState
+    ) -> CheckpointSaveError | None:
+        """Rank 0 creates the step directory with its start marker; every rank learns how that
+        went. A directory that cannot be created is a save failure; a non-empty existing one is
+        a ``FileExistsError``, on every rank."""
         # A save no listener owns (e.g. trainer.save_checkpoint(path) by hand) commits itself
         # and is marked as not a run's own: retention and cleanup never touch it.
         managed = bool(self._owners(path))
         problem = create_step_directories(path, contents, managed) if state.rank == 0 else None
         # Every rank raises the same error instead of waiting for rank 0 in a barrier.
         problem = broadcast(problem)
-        if problem is not None:
-            if problem.startswith("cannot create"):
-                return self._failed(path, CheckpointSaveError(problem), options)
-            raise FileExistsError(problem)
-        async_save = self.async_save and not options.synchronous
-        # Rank 0's finalisation errors, shared once every rank passed the collectives after.
-        kept: list[BaseException] = []
-        # Sync and async saves take the same path (plan and stage here, write inline or in the
-        # background, then finalise), as dist_checkpointing.save does: the same phases timed.
+        if problem is None:
+            return None
+        if problem.startswith("cannot create"):
+            return CheckpointSaveError(problem)
+        raise FileExistsError(problem)
+
+    def _plan_and_stage(
+        self,
+        path: Path,
+        contents: Sequence[str],
+        state: TrainingState,
+        async_save: bool,
+        kept: list[BaseException],
+    ) -> tuple[Any, torch.Tensor, Any]:
+        """Build the sharded state dicts of ``model/`` and ``optim/``, plan and stage their
+        shards: the write request (inline or in the background), the tensor its writers time
+        themselves into, and the optimizer's sharding."""
         parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
         own = self.writer == _compat.THREADS
         if own and self.shards.dedup is not None:
@@ -182,6 +230,17 @@ class CheckpointWriter:
         else:
             write_timer.share_memory_()  # written by Megatron-Core's background process
             request = combine_async_requests([r for _, r in requests], write_timer)
+        return request, write_timer, sharding
+
+    def _write_extra_agreed(
+        self,
+        path: Path,
+        contents: Sequence[str],
+        checkpoint: dict[str, Any],
+        state: TrainingState,
+    ) -> tuple[float, CheckpointSaveError | None]:
+        """Write this rank's ``extra/`` file (when the step holds it): the seconds it took, and
+        any rank's failure, the same on every rank."""
         extra_write_s = 0.0
         error: BaseException | None = None
         if "extra" in contents:
@@ -192,9 +251,20 @@ class CheckpointWriter:
                 error = err
             extra_write_s = time.perf_counter() - extra_start
         failure = agree_on_failure(error, path, "writing extra/", state.rank, state.device)
-        if failure is not None:
-            return self._failed(path, failure, options)
-        base: dict[str, Any] = {
+        return extra_write_s, failure
+
+    def _record_base(
+        self,
+        checkpoint: dict[str, Any],
+        path: Path,
+        contents: Sequence[str],
+        async_save: bool,
+        sharding: Any,
+        state: TrainingState,
+    ) -> dict[str, Any]:
+        """The fields of the save's :class:`SaveRecord` known before its write ends."""
+        own = self.writer == _compat.THREADS
+        return {
             "global_step": checkpoint.get("global_step"),
             "epoch": checkpoint.get("epoch"),
             "path": path,
@@ -205,14 +275,13 @@ class CheckpointWriter:
             "optimizer_sharding": sharding,
             "max_staging_bytes": self.max_staging_bytes if own else None,
         }
-        timings = {"start": start, "extra_write_s": extra_write_s}
-        if async_save:
-            call_id = self._get_async_queue(state.device).schedule_async_request(request)
-            timings["call_s"] = time.perf_counter() - start
-            self._pending = PendingSave(
-                path, [call_id], timings, base, options, write_timer, state.device, kept
-            )
-            return None
+
+    def _write_inline(
+        self, request: Any, path: Path, state: TrainingState, kept: list[BaseException]
+    ) -> CheckpointSaveError | None:
+        """Write ``model/`` and ``optim/`` in this thread and finalise them; any rank's failure
+        is every rank's."""
+        error: BaseException | None = None
         try:
             request.async_fn(*request.async_fn_args)
         except Exception as err:  # noqa: BLE001 - any write error: shared, then raised
@@ -220,26 +289,22 @@ class CheckpointWriter:
         failure = agree_on_failure(
             error, path, "writing model/ and optim/", state.rank, state.device
         )
-        if failure is None:
-            # Collective: shard writers report their errors here (the failing rank's names the
-            # cause; the others only learn that a rank failed): share the failing rank's.
-            try:
-                for finalize in request.finalize_fns:
-                    finalize()
-            except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared, re-raised
-                error = err
-            failure = agree_on_failure(
-                error or (kept[0] if kept else None),
-                path,
-                "finishing model/ and optim/",
-                state.rank,
-                state.device,
-            )
         if failure is not None:
-            return self._failed(path, failure, options)
-        timings["call_s"] = time.perf_counter() - start
-        self._complete(base, timings, write_timer, options, state.device)
-        return None
+            return failure
+        # Collective: shard writers report their errors here (the failing rank's names the
+        # cause; the others only learn that a rank failed): share the failing rank's.
+        try:
+            for finalize in request.finalize_fns:
+                finalize()
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared, re-raised
+            error = err
+        return agree_on_failure(
+            error or (kept[0] if kept else None),
+            path,
+            "finishing model/ and optim/",
+            state.rank,
+            state.device,
+        )
 
     def _write_extra(
         self, directory: Path, checkpoint: dict[str, Any], state: TrainingState

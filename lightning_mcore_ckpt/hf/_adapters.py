@@ -21,7 +21,7 @@ import torch
 
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._names import ADAPTER
-from lightning_mcore_ckpt.hf._reader import CheckpointReader, Slice, module_prefix
+from lightning_mcore_ckpt.hf._reader import Slice, SliceReader, module_prefix
 
 __all__ = ["ADAPTERS", "LoRAReader", "check_adapters_args", "open_adapters", "write_peft_adapter"]
 
@@ -44,7 +44,7 @@ class LoRASlices:
 
 
 def find_adapters(
-    reader: CheckpointReader, prefix: str, source: Path, lora_alpha: float | None
+    reader: SliceReader, prefix: str, source: Path, lora_alpha: float | None
 ) -> dict[tuple[str, int | None], LoRASlices]:
     """The checkpoint's adapters, by their base weight's ``(key, layer)``; checked for shape.
 
@@ -101,13 +101,13 @@ def find_adapters(
     return found
 
 
-class LoRAReader(CheckpointReader):
-    """A :class:`CheckpointReader` that hides the adapters and, with ``merge``, reads each
+class LoRAReader(SliceReader):
+    """A :class:`SliceReader` that hides the adapters and, with ``merge``, reads each
     adapted weight as ``weight + alpha / rank * B @ A`` (computed in float32)."""
 
-    def __init__(  # wraps an open reader (CheckpointReader.__init__ opens one)
+    def __init__(  # wraps an open reader (SliceReader.__init__ opens one)
         self,
-        reader: CheckpointReader,
+        reader: SliceReader,
         adapters: Mapping[tuple[str, int | None], LoRASlices],
         merge: bool,
     ) -> None:
@@ -228,7 +228,7 @@ def check_adapters_args(adapters: str, lora_alpha: float | None, where: str) -> 
 
 
 def open_adapters(
-    reader: CheckpointReader, source: Path, adapters: str, lora_alpha: float | None
+    reader: SliceReader, source: Path, adapters: str, lora_alpha: float | None
 ) -> LoRAReader:
     """``reader`` with its adapters found and checked: merged into their weights when read
     (``"merged"``), or hidden (``"peft"``, which requires some)."""

@@ -25,7 +25,7 @@ import lightning_mcore_ckpt.hf._heads as _heads
 from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, ExportPlan, plan_export
-from lightning_mcore_ckpt.hf._reader import CheckpointReader, module_prefix
+from lightning_mcore_ckpt.hf._reader import SliceReader, module_prefix
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SafetensorsWriter, write_index
 from lightning_mcore_ckpt.hf._upload import check_upload_options
 from lightning_mcore_ckpt.storage import atomic as _atomic
@@ -201,7 +201,7 @@ def export_checkpoint(
             f"export: --out {target} exists and is not empty; choose a new directory or pass "
             "--overwrite (overwrite=True) to replace it"
         )
-    reader = _adapters.open_adapters(CheckpointReader(model_dir), step_path, adapters, lora_alpha)
+    reader = _adapters.open_adapters(SliceReader(model_dir), step_path, adapters, lora_alpha)
     bridge = HFBridge(hf_model_path, argument="--hf-model")
     chosen = _heads.resolve(head, bridge.head, output_rows(reader, step_path), "head")
     if chosen != bridge.head:
@@ -220,7 +220,7 @@ def export_checkpoint(
     return summary
 
 
-def output_rows(reader: CheckpointReader, step: Path) -> int | None:
+def output_rows(reader: SliceReader, step: Path) -> int | None:
     """Rows of the checkpoint's output layer (1: a value head), None when it has none (tied)."""
     md = reader.tensors.get(f"{module_prefix(reader.tensors, step)}output_layer.weight")
     return None if md is None else int(md.size[0])
@@ -243,7 +243,7 @@ def _copy_side_files(hf_dir: Path, out: Path, bridge: HFBridge, dtype: torch.dty
 
 def _write_export(
     bridge: HFBridge,
-    reader: CheckpointReader,
+    reader: SliceReader,
     plan: ExportPlan,
     out: Path,
     dtype: torch.dtype,

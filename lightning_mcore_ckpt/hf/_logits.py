@@ -21,7 +21,7 @@ import lightning_mcore_ckpt.hf._heads as _heads
 from lightning_mcore_ckpt import _cpu
 from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
-from lightning_mcore_ckpt.hf._reader import CheckpointReader, module_prefix
+from lightning_mcore_ckpt.hf._reader import SliceReader, module_prefix
 
 __all__ = ["LOGITS_ATOL", "LogitsResult", "check_logits"]
 
@@ -133,7 +133,7 @@ def _megatron_outputs(bridge: HFBridge, step: Path, inputs: torch.Tensor) -> tor
         single_process_parallel_state,
     )
 
-    reader = CheckpointReader(step / layout.MODEL_DIR)
+    reader = SliceReader(step / layout.MODEL_DIR)
     prefix = module_prefix(reader.tensors, step)
     with single_process_parallel_state(), megatron_environ_writes_undone():
         config = bridge.transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
@@ -159,7 +159,7 @@ def _megatron_outputs(bridge: HFBridge, step: Path, inputs: torch.Tensor) -> tor
     return out
 
 
-def _attach_adapters(model: Any, reader: CheckpointReader, prefix: str, step: Path) -> None:
+def _attach_adapters(model: Any, reader: SliceReader, prefix: str, step: Path) -> None:
     """Give the model the step's LoRA adapters (same targets, rank and alpha), when it has any:
     the reference is the step's own unmerged forward, base plus adapters."""
     from lightning_mcore_ckpt.hf._adapters import find_adapters

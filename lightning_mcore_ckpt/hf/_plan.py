@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_mcore_ckpt.hf._bridge import HFBridge
-from lightning_mcore_ckpt.hf._reader import CheckpointReader, Slice, module_prefix
+from lightning_mcore_ckpt.hf._reader import Slice, SliceReader, module_prefix
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SINGLE
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportPlan", "plan_export"]
@@ -42,7 +42,7 @@ class ExportPlan:
 
 def plan_export(
     bridge: HFBridge,
-    reader: CheckpointReader,
+    reader: SliceReader,
     source: Path,
     max_shard_bytes: int,
     dtype: torch.dtype | None,

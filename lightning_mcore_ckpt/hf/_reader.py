@@ -1,6 +1,6 @@
 """Reading a dist-checkpoint slice by slice (one layer of one tensor), without a process group.
 
-:class:`CheckpointReader` lists the tensors of a step's model directory and loads chosen slices
+:class:`SliceReader` lists the tensors of a step's model directory and loads chosen slices
 into fresh buffers through ``torch.distributed.checkpoint`` with :class:`SlicePlanner`, so no
 process ever holds more of the model than it asked for.
 """
@@ -28,7 +28,7 @@ from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import remote_files
 
-__all__ = ["CheckpointReader", "Slice", "SlicePlanner", "module_prefix"]
+__all__ = ["Slice", "SlicePlanner", "SliceReader", "module_prefix"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Slice:
     """Index on the expert axis (after the layer axis) of a routed expert's weight, or None."""
 
 
-class CheckpointReader:
+class SliceReader:
     """Reads the tensors of one dist-checkpoint directory (``model/``) on one process."""
 
     def __init__(self, model_dir: Path) -> None:

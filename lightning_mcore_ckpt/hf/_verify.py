@@ -15,7 +15,7 @@ from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._adapters import open_adapters
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, plan_export
-from lightning_mcore_ckpt.hf._reader import CheckpointReader
+from lightning_mcore_ckpt.hf._reader import SliceReader
 from lightning_mcore_ckpt.hf._safetensors import safetensors_files
 
 __all__ = ["VerifyResult", "verify_export"]
@@ -108,7 +108,7 @@ def _step_reference(out_dir: Path, step: Path) -> _Reference:
     """A step, converted with the exported directory's config as the export would be."""
     bridge = HFBridge(out_dir, argument="verify")
     # A step with LoRA adapters is compared as its merged export (the default export).
-    reader = open_adapters(CheckpointReader(step / layout.MODEL_DIR), step, "merged", None)
+    reader = open_adapters(SliceReader(step / layout.MODEL_DIR), step, "merged", None)
     plan = plan_export(bridge, reader, step, DEFAULT_MAX_SHARD_BYTES, None)
 
     def tensors(wanted: Sequence[str]) -> dict[str, torch.Tensor]:

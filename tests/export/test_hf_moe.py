@@ -158,7 +158,7 @@ def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
     # the same files, and never more than one expert of one layer in memory at once.
     calls: list[dict[str, torch.Tensor]] = []  # what each read returned
     buffers: list[int] = []  # bytes of the buffers each read filled from the files
-    original_read = _reader.CheckpointReader.read
+    original_read = _reader.SliceReader.read
     original_planner = _reader.SlicePlanner.__init__
 
     def recording_read(self: Any, wanted: Any) -> dict[str, torch.Tensor]:
@@ -170,7 +170,7 @@ def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
         buffers.append(sum(dest.nbytes for _, dest in requests.values()))
         original_planner(self, requests)
 
-    monkeypatch.setattr(_reader.CheckpointReader, "read", recording_read)
+    monkeypatch.setattr(_reader.SliceReader, "read", recording_read)
     monkeypatch.setattr(_reader.SlicePlanner, "__init__", recording_planner)
     out = tmp_path / "cli_export"
     assert cli_main(["export", str(step), "--hf-model", str(src), "--out", str(out)]) == 0

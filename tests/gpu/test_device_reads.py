@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_mcore_ckpt.engine import _reading
+from lightning_mcore_ckpt.engine import _parallel_reader
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,19 +39,19 @@ def test_records_load_into_gpu_tensors_through_pinned_buffers(
     }
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=2))
     bounced: list[tuple[Any, bool]] = []
-    read = _reading.DeviceBounce.read
+    read = _parallel_reader.DeviceBounce.read
 
     def counted(self: Any, stream: Any, position: int, dest: torch.Tensor) -> None:
         bounced.append((dest.device, all(b.is_pinned() for b in self.buffers)))
         read(self, stream, position, dest)
 
-    monkeypatch.setattr(_reading.DeviceBounce, "read", counted)
+    monkeypatch.setattr(_parallel_reader.DeviceBounce, "read", counted)
     targets = {k: torch.full_like(v, -7, device="cuda") for k, v in saved.items()}
     torch.cuda.synchronize()
     state_bytes = sum(t.numel() * t.element_size() for t in targets.values())
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    dcp.load(targets, storage_reader=_reading.ParallelFileSystemReader(tmp_path, threads))
+    dcp.load(targets, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, threads))
     peak = torch.cuda.max_memory_allocated() - base
     for key, value in saved.items():
         assert torch.equal(targets[key].cpu(), value), key

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_mcore_ckpt.engine import _reading
+from lightning_mcore_ckpt.engine import _parallel_reader
 
 
 def _saved() -> dict[str, Any]:
@@ -46,16 +46,16 @@ def test_every_record_loads_exactly(
     saved = _saved()
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=2))
     direct: list[tuple[bool, int]] = []
-    read_into = _reading._read_into
+    read_into = _parallel_reader._read_into
 
     def counted(stream: Any, offset: int, layout: torch.Tensor, target: torch.Tensor) -> bool:
         took = read_into(stream, offset, layout, target)
         direct.append((took, target.data_ptr()))
         return took
 
-    monkeypatch.setattr(_reading, "_read_into", counted)
+    monkeypatch.setattr(_parallel_reader, "_read_into", counted)
     loaded = _targets(strided)
-    dcp.load(loaded, storage_reader=_reading.ParallelFileSystemReader(tmp_path, threads))
+    dcp.load(loaded, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, threads))
     for key, value in saved.items():
         if isinstance(value, torch.Tensor):
             assert loaded[key].dtype == value.dtype
@@ -81,7 +81,7 @@ def test_a_slice_of_a_saved_chunk_is_read_from_its_place(tmp_path: Path) -> None
 
     saved = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6)
     dcp.save({"w": saved}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
-    reader = _reading.ParallelFileSystemReader(tmp_path, 2)
+    reader = _parallel_reader.ParallelFileSystemReader(tmp_path, 2)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, is_coordinator=True)
     chunk = metadata.state_dict_metadata["w"].chunks[0]
@@ -124,7 +124,7 @@ def test_a_record_bounced_through_two_buffers_arrives_whole(
     payload = torch.randint(0, 256, (nbytes + 100,), dtype=torch.uint8, generator=None)
     path = tmp_path / "shard"
     path.write_bytes(bytes(payload.tolist()))
-    bounce = _reading.DeviceBounce(torch.device("cpu"), 4096, pinned=False)
+    bounce = _parallel_reader.DeviceBounce(torch.device("cpu"), 4096, pinned=False)
     dest = torch.zeros(nbytes, dtype=torch.uint8)
     with open(path, "rb") as f:
         stream = io.BufferedReader(io.BytesIO(f.read())) if remote else f

@@ -66,14 +66,14 @@ def test_an_extra_file_that_would_run_code_is_refused_and_nothing_runs(tmp_path:
 def test_a_dcp_index_that_would_run_code_is_refused_wherever_it_is_read(
     step: Path, tmp_path: Path
 ) -> None:
-    from lightning_mcore_ckpt.hf._reader import CheckpointReader
+    from lightning_mcore_ckpt.hf._reader import SliceReader
 
     marker = tmp_path / "ran"
     crafted_index(step / "model", marker)
     for read in (
         _safe_dcp.read_dcp_metadata,  # the strategy's shape check
         _safe_dcp.check_dist_checkpoint,  # before every Megatron-Core load
-        CheckpointReader,  # export and verify
+        SliceReader,  # export and verify
     ):
         with pytest.raises(UnsafeCheckpointError, match=r"model/\.metadata: .* posix\.system"):
             read(step / "model")

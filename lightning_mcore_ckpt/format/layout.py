@@ -51,6 +51,7 @@ __all__ = [
     "resolve_checkpoint",
     "resolve_last",
     "step_dir",
+    "step_name",
     "step_number",
     "verify_step",
     "write_tracker",
@@ -86,9 +87,14 @@ class StepDir:
     path: Path
 
 
+def step_name(step: int) -> str:
+    """The name of ``step``'s directory: ``global_step_<N>``."""
+    return f"global_step_{step}"
+
+
 def step_dir(dirpath: str | os.PathLike[str], step: int) -> Path:
     """The directory of ``step`` under ``dirpath``."""
-    return Path(dirpath) / f"global_step_{step}"
+    return Path(dirpath) / step_name(step)
 
 
 def step_number(path: str | os.PathLike[str]) -> int | None:
@@ -296,9 +302,9 @@ def resolve_last(
         if tracked is None:
             why = f"{root / TRACKER_FILE} is unreadable"
         elif not is_complete(step_dir(root, tracked)):
-            why = f"the tracker names global_step_{tracked}, which is incomplete or missing"
+            why = f"the tracker names {step_name(tracked)}, which is incomplete or missing"
         else:
-            why = f"the tracker names global_step_{tracked}, but a newer complete step exists"
+            why = f"the tracker names {step_name(tracked)}, but a newer complete step exists"
         found = newest.path.name if newest is not None else "none"
         log.warning("%s; newest complete step by scan: %s", why, found)
     for candidate in reversed(complete):

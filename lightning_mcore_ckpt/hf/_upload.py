@@ -122,7 +122,7 @@ def _redact(text: str) -> str:
 
 def _step_name(step: Path) -> str:
     number = layout.step_number(step)
-    return step.name if number is None else f"global_step_{number}"
+    return step.name if number is None else layout.step_name(number)
 
 
 def upload_export(

@@ -48,6 +48,10 @@ def mark_step_started(path: str | os.PathLike[str], *, managed: bool = True) -> 
 
     ``managed``: the step belongs to a run's ``MegatronCheckpoint`` (retention and cleanup may
     delete it); ``False`` for a save made by hand (``trainer.save_checkpoint``), never deleted.
+
+    Example::
+
+        mark_step_started("checkpoints/run/global_step_100")  # then write model/, optim/, ...
     """
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
@@ -63,7 +67,12 @@ def mark_step_started(path: str | os.PathLike[str], *, managed: bool = True) -> 
 
 
 def is_ours(path: str | os.PathLike[str]) -> bool:
-    """Whether this package wrote a step directory (start marker, or its commit marker)."""
+    """Whether this package wrote a step directory (start marker, or its commit marker).
+
+    Example::
+
+        is_ours("checkpoints/run/global_step_100")  # False for a directory of another tool
+    """
     p = Path(path)
     if (p / STARTED_MARKER).is_file():
         return True
@@ -74,7 +83,12 @@ def is_ours(path: str | os.PathLike[str]) -> bool:
 def is_managed(path: str | os.PathLike[str]) -> bool:
     """Whether a run's ``MegatronCheckpoint`` wrote this step, so that its retention and
     cleanup may delete it: a real directory (not a link) with this package's start marker, not
-    a save made by hand. Steps written before the marker said so count as managed."""
+    a save made by hand. Steps written before the marker said so count as managed.
+
+    Example::
+
+        is_managed("checkpoints/run/global_step_100")  # False for trainer.save_checkpoint's
+    """
     p = Path(path)
     if p.is_symlink() or not p.is_dir():
         return False

@@ -21,12 +21,13 @@ __all__ = ["retain", "tiers_of"]
 log = logging.getLogger(__name__)
 
 
-def tiers_of(config: CheckpointConfig) -> tuple[Tier, ...]:
-    """The tiers of a checked config's ``dirpath``, innermost (the local directory) first."""
-    local = LocalTier(config.root)
+def tiers_of(config: CheckpointConfig, root: Path) -> tuple[Tier, ...]:
+    """The tiers of a checked config's ``dirpath``, innermost (the local directory, ``root``)
+    first."""
+    local = LocalTier(root)
     if config.store is None:
         return (local,)
-    store = StoreTier(config.store, config.root, config.durability, config.local_dir is None)
+    store = StoreTier(config.store, root, config.durability, config.local_dir is None)
     return (local, store)
 
 

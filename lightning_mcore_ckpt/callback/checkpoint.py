@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_mcore_ckpt.hf import HFExport
+    from lightning_mcore_ckpt.storage.tier import Tier
 
 __all__ = ["MegatronCheckpoint"]
 
@@ -170,7 +171,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         self.failed_saves = 0
         # The key of this callback's state in a checkpoint: the dirpath as given.
         self._key = str(dirpath) if config.store else str(Path(os.path.expanduser(str(dirpath))))
-        self._tiers = tiers_of(config)  # the local directory; an s3:// dirpath's store
+        self._tiers_of: tuple[Path, tuple[Tier, ...]] | None = None  # see _tiers
         self._timing = SaveTiming()
         self._preemption = Preemption()
         self._committer: Committer | None = None
@@ -241,6 +242,17 @@ class MegatronCheckpoint(ModelCheckpoint):
     def _root(self) -> Path:
         """``dirpath`` as a resolved path (also after a reassignment of ``dirpath``)."""
         return Path(os.path.realpath(os.path.expanduser(str(self.dirpath))))
+
+    @property
+    def _tiers(self) -> tuple[Tier, ...]:
+        """The tiers of ``dirpath`` as it is now, innermost first: the local directory, then an
+        s3:// dirpath's store. Lightning lets ``dirpath`` be reassigned after construction (the
+        resume check does): the local tier follows it, and stays the same object while it
+        does not change (a tier holds its lock)."""
+        root = self._root
+        if self._tiers_of is None or self._tiers_of[0] != root:
+            self._tiers_of = (root, tiers_of(self.config, root))
+        return self._tiers_of[1]
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """A config dataclass's fields as a constructor's keyword arguments, written once.
 
-An object whose options are a dataclass (``MegatronStrategy`` and ``StrategyConfig``) takes
-them as ``**options``; :func:`keyword_options` gives that constructor what ``inspect``, IDEs
-and LightningCLI read: a signature listing the fields (types and defaults) and an ``Args:``
-section made of the docstring under each field (:func:`field_docs`). Imports nothing of the
-package.
+An object whose options are a dataclass (``MegatronStrategy`` and ``StrategyConfig``) spells
+them out as keyword arguments, for type checkers; :func:`keyword_options` checks the names a
+call gives (an unknown one is refused naming the closest field) and gives the constructor what
+``inspect`` and LightningCLI read: a signature listing the fields (types and defaults) and an
+``Args:`` section made of the docstring under each field (:func:`field_docs`). Imports nothing
+of the package.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def field_docs(config: type[Any]) -> dict[str, str]:
 
 
 def keyword_options(config: type[Any]) -> Callable[[_Init], _Init]:
-    """Decorate ``__init__(self, **options)``, whose keywords are the fields of ``config``.
+    """Decorate an ``__init__`` whose keyword arguments are the fields of ``config``.
 
     The wrapper refuses a keyword that is not a field, naming the closest one (a
     ``TypeError``, as Python's for an unknown argument); its ``__signature__`` lists the fields

@@ -10,7 +10,9 @@ strategy holds.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -47,7 +50,7 @@ from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_load
 from lightning_mcore_ckpt.strategy import grads, lightning_checkpoints
-from lightning_mcore_ckpt.strategy.config import StrategyConfig
+from lightning_mcore_ckpt.strategy.config import ProcessGroupBackend, StrategyConfig
 from lightning_mcore_ckpt.strategy.dataloader import elastic_dataloader
 from lightning_mcore_ckpt.strategy.model_setup import check_model_configs, convert_precision
 from lightning_mcore_ckpt.training import parallel
@@ -55,6 +58,8 @@ from lightning_mcore_ckpt.training.rng import RNGState
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt.engine import OptimizerSharding, WriterKind
 
 __all__ = ["MegatronStrategy"]
 
@@ -91,8 +96,35 @@ class MegatronStrategy(ParallelStrategy):
     strategy_name = "megatron"
 
     @keyword_options(StrategyConfig)
-    def __init__(self, **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        seed: int = 1234,
+        ckpt_async_save: bool = False,
+        ckpt_parallel_save: bool = True,
+        ckpt_parallel_load: bool = False,
+        ckpt_optimizer_sharding: OptimizerSharding = "dp_reshardable",
+        ckpt_writer: WriterKind = "threads",
+        ckpt_write_threads: int | None = None,
+        ckpt_read_threads: int | None = None,
+        ckpt_verify_hashes: bool = False,
+        ckpt_dedup: bool = False,
+        ckpt_cache_plans: bool = True,
+        ckpt_max_staging_bytes: int | None = None,
+        process_group_backend: ProcessGroupBackend | None = None,
+        timeout: datetime.timedelta = default_pg_timeout,
+        init_from: str | os.PathLike[str] | None = None,
+    ) -> None:
         """Check the options (the fields of ``StrategyConfig``) and keep them as ``config``."""
+        # The arguments are the config's fields, one for one, spelled out so that a type checker
+        # checks a call (the Literal options); the decorator refuses any other name, naming the
+        # closest, and documents each from its field.
+        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         self.config = StrategyConfig(**options)
         """The strategy's options, as given (checked): the only place they are kept."""

@@ -53,3 +53,19 @@ def test_an_unknown_option_is_refused_naming_the_closest_field() -> None:
         r"tensor_model_parallel_size\?",
     ):
         MegatronStrategy(tensor_paralel_size=2)
+
+
+def test_the_spelled_out_arguments_are_the_configs_fields_for_type_checkers() -> None:
+    """The constructor as written (what a type checker reads at a call, the Literal options
+    included) lists the config's fields, one for one: names, defaults and type hints."""
+    import inspect
+
+    written = inspect.signature(MegatronStrategy.__init__.__wrapped__)  # type: ignore[attr-defined]
+    params = list(written.parameters.values())[1:]
+    fields = [f for f in dataclasses.fields(StrategyConfig) if f.init]
+    assert [p.name for p in params] == [f.name for f in fields]
+    for param, item in zip(params, fields, strict=True):
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY, item.name
+        default = item.default_factory() if item.default is dataclasses.MISSING else item.default  # type: ignore[misc]
+        assert param.default == default, item.name
+        assert param.annotation == item.type, item.name

@@ -117,12 +117,23 @@ def _dtype(name: str | None) -> Any:
 
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_mcore_ckpt import hf
-    from lightning_mcore_ckpt.storage import object_store, publication
+    from lightning_mcore_ckpt.storage import object_store
 
-    out_url = args.out if object_store.is_url(args.out) else None
-    if out_url is not None:  # written here, then uploaded
-        args.out = str(Path(tempfile.mkdtemp(prefix="lmc-export-")) / "export")
+    if not object_store.is_url(args.out):
+        return _export_to(args, None)
+    # To a store: written in a scratch directory, uploaded, and the scratch directory removed.
+    out_url = args.out
+    with tempfile.TemporaryDirectory(prefix="lmc-export-") as scratch:
+        args.out = str(Path(scratch) / "export")
+        return _export_to(args, out_url)
+
+
+def _export_to(args: argparse.Namespace, out_url: str | None) -> int:
+    """Export to ``args.out``, then upload it to ``out_url`` (a store) and to the Hub when
+    asked."""
+    from lightning_mcore_ckpt import hf
+    from lightning_mcore_ckpt.storage import publication
+
     try:
         if args.upload_to is not None:  # before any work
             hf.check_upload_options(args.upload_to, args.private, 3, 0, where="export --upload-to")

@@ -24,6 +24,7 @@ from lightning_mcore_ckpt.format.layout import (
     SHARED_DIR,
     TRACKER_FILE,
     resolve_checkpoint,
+    step_name,
     step_number,
     verify_step,
 )
@@ -119,7 +120,7 @@ def newest_intact(
         where = store.child(TRACKER_FILE).url
         log.warning("%s %s; newest published step: %s", where, said, published[0])
     for step in published:
-        view = open_view(store.child(f"global_step_{step}").url)
+        view = open_view(store.child(step_name(step)).url)
         problems = verify_step(view, reading, deep)
         if not problems:
             return view

@@ -21,6 +21,7 @@ import time
 import types
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -252,9 +253,14 @@ def test_save_kill_mid_upload_resume_retention_export(
     key = f"run/global_step_{TOTAL}/huggingface/model.safetensors"
     published = s3_server.client().get_object(Bucket=s3_bucket, Key=key)["Body"].read()
     assert (out / "model.safetensors").read_bytes() == published
-    # ... and from the store to the store.
-    done = run_cli("export", step, "--hf-model", str(Path(tmp, "src")), "--out", f"{url}-hf")
+    # ... and from the store to the store, through a scratch directory that goes afterwards.
+    scratch = Path(tmp, f"scratch-{case}")
+    scratch.mkdir()
+    with mock.patch.object(tempfile, "tempdir", str(scratch)):
+        done = run_cli("export", step, "--hf-model", str(Path(tmp, "src")), "--out", f"{url}-hf")
     assert done.returncode == 0, done.stderr
+    # (The source step's view stays until the process exits, as every view does.)
+    assert not list(scratch.glob("lmc-export-*")), "the export's scratch directory was left"
     exported = {k.split("/", 1)[1] for k in s3_server.objects(s3_bucket, "run-hf/")}
     assert exported == {p.name for p in out.iterdir()}
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import gc
 import os
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +47,8 @@ from typing import Any
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 
 import torch  # after the environment variable above
+
+from lightning_mcore_ckpt.launch._child import ask_a_child
 
 __all__ = ["CUDA_INITIALISED_BY", "PRELOADED", "answered_counts", "no_cuda_initialisation"]
 
@@ -91,26 +92,8 @@ def answered_counts() -> dict[str | None, int]:
 
 def _count_in_a_child(count: Callable[[], int]) -> int | None:
     """``count()`` called in a forked child process; ``None`` if the child gave no answer."""
-    read, write = os.pipe()
-    with warnings.catch_warnings():
-        # Python warns about forking a process with threads; the child only answers and exits.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child process
-        code = 1
-        try:
-            os.close(read)
-            os.write(write, str(int(count())).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    try:
-        with os.fdopen(read, "rb") as answer:
-            text = answer.read().decode()
-    finally:
-        _, status = os.waitpid(pid, 0)
-    return int(text) if os.waitstatus_to_exitcode(status) == 0 and text else None
+    answered, text = ask_a_child(lambda: str(int(count())))
+    return int(text) if answered and text else None
 
 
 @contextmanager

@@ -103,36 +103,57 @@ def _context() -> Any:
     return ctx
 
 
-def _rank_main(
+def rank_environment(
+    port: int,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    *,
+    node_rank: int,
+    group_rank: bool = False,
+) -> dict[str, str]:
+    """The variables a launcher sets for a rank (torchrun's, ``GROUP_RANK`` where
+    ``group_rank``: the node's rank, which makes Lightning see torchelastic)."""
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "NODE_RANK": str(node_rank),
+    }
+    if group_rank:
+        env["GROUP_RANK"] = str(node_rank)
+    return env
+
+
+def run_rank(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    port: int,
     env: Mapping[str, str],
     args: tuple[Any, ...],
     results: Any,
+    session: bool = False,
 ) -> None:
-    # A session of its own, so that the parent can kill the rank with everything it started.
-    os.setsid()
+    """In a rank's process: ``fn(rank, world_size, *args)`` with ``env`` set; put
+    ``(rank, ok, result bytes or traceback, time.monotonic() when it ended)`` on ``results``.
+    ``session``: the rank leads a session of its own, so that the parent can kill it with
+    everything it started."""
+    if session:
+        os.setsid()
     # A rank started by the forkserver inherits its start method; a rank a launcher starts as a
     # fresh process has the platform's default (fork on Linux before Python 3.14), which is what
     # its DataLoader workers and checkpoint writers then use.
     mp.set_start_method(mp.get_all_start_methods()[0], force=True)
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-    )
     try:
         value = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - everything a rank raises is reported to the parent
         trace = traceback.format_exc()
-        results.put((rank, False, trace + _why_no_cuda(trace)))
+        results.put((rank, False, trace + _why_no_cuda(trace), time.monotonic()))
         return
     try:
         # Plain bytes: torch would otherwise pass tensors as shared-memory handles that die
@@ -141,9 +162,23 @@ def _rank_main(
         torch.save(value, buffer)
         payload = buffer.getvalue()
     except Exception:  # noqa: BLE001 - an unpicklable result is the caller's bug: report it
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), time.monotonic()))
         return
-    results.put((rank, True, payload))
+    results.put((rank, True, payload, time.monotonic()))
+
+
+def rank_value(payload: bytes) -> Any:
+    """What :func:`run_rank` put as a rank's result, read back."""
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def check_launch(caller: str, timeout: float, **counts: int) -> None:
+    """Refuse a count that is not a positive int or a timeout that is not positive."""
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{caller}: {name} must be a positive int, got {value!r}")
+    if timeout <= 0:
+        raise ValueError(f"{caller}: timeout must be positive seconds, got {timeout!r}")
 
 
 def _why_no_cuda(trace: str) -> str:
@@ -207,17 +242,25 @@ def run_distributed(
 
         assert run_distributed(show_rank, 2, "/tmp") == [0, 1]
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")
-    if timeout <= 0:
-        raise ValueError(f"run_distributed: timeout must be positive seconds, got {timeout!r}")
+    check_launch("run_distributed", timeout, world_size=world_size)
     ctx = _context()
     results: Any = ctx.Queue()
     port = find_free_port()
     procs = [
         ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, port, dict(env or {}), args, results),
+            target=run_rank,
+            args=(
+                fn,
+                rank,
+                world_size,
+                {
+                    **(env or {}),
+                    **rank_environment(port, rank, world_size, rank, world_size, node_rank=0),
+                },
+                args,
+                results,
+                True,
+            ),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -229,7 +272,7 @@ def run_distributed(
     try:
         while len(outputs) < world_size:
             try:
-                rank, ok, value = results.get(timeout=0.2)
+                rank, ok, value, _ = results.get(timeout=0.2)
             except queue.Empty:
                 dead = [
                     r
@@ -254,7 +297,7 @@ def run_distributed(
                 continue
             if not ok:
                 raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}")
-            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            outputs[rank] = rank_value(value)
     finally:
         if len(outputs) == world_size:
             for proc in procs:

@@ -24,6 +24,10 @@ This package is a face; the names live in:
 
 - :mod:`lightning_mcore_ckpt.launch.local`: :func:`run_distributed`,
   :class:`DistributedFailure`, :func:`find_free_port` (the launcher the resume check uses too);
+- :mod:`lightning_mcore_ckpt.launch.nodes`: :func:`run_nodes`, several simulated nodes of
+  ranks, each with its own directory at the same path, ``TMPDIR`` and host name
+  (:func:`node_storage`, :func:`nodes_unavailable`), :func:`kill_node` (a node lost) and
+  :class:`RankOutcome` (how each rank ended, for tests of faults);
 - :mod:`lightning_mcore_ckpt.testing.gather`: :func:`gather_sharded`, a sharded state dict's
   global tensors on every rank.
 
@@ -33,6 +37,23 @@ The tiny models to train in such a test are in :mod:`lightning_mcore_ckpt.tiny`.
 from __future__ import annotations
 
 from lightning_mcore_ckpt.launch.local import DistributedFailure, find_free_port, run_distributed
+from lightning_mcore_ckpt.launch.nodes import (
+    RankOutcome,
+    kill_node,
+    node_storage,
+    nodes_unavailable,
+    run_nodes,
+)
 from lightning_mcore_ckpt.testing.gather import gather_sharded
 
-__all__ = ["DistributedFailure", "find_free_port", "gather_sharded", "run_distributed"]
+__all__ = [
+    "DistributedFailure",
+    "RankOutcome",
+    "find_free_port",
+    "gather_sharded",
+    "kill_node",
+    "node_storage",
+    "nodes_unavailable",
+    "run_distributed",
+    "run_nodes",
+]

@@ -177,6 +177,9 @@ class Committer:
         for tier in self.tiers:
             if not tier.awaited:
                 jobs.append((self._publish, tier, record.path))  # reported on its own
+            upload = None if self.is_global_zero else tier.part_upload(record.path, record.hashes)
+            if upload is not None:  # this node's part, for rank 0's commit to gather
+                self._submit_part(record.path, upload)
         for fn, *args in jobs:
             self._awaiting.append(record.path)
             if self.is_global_zero:
@@ -344,6 +347,14 @@ class Committer:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
         self._commits.append((target, self._executor.submit(fn, *args), awaited))
 
+    def _submit_part(self, target: Path, upload: Callable[[], Any]) -> None:
+        # A node's leader (not rank 0): its part of the step, on the background thread; how it
+        # ended reaches every rank through rank 0's commit, which waits for its confirmation.
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
+        future = self._executor.submit(upload)
+        future.add_done_callback(lambda f: _log_part_failure(target, f))
+
     def _commit(self, target: Path, metadata: dict[str, Any], record: SaveRecord) -> dict[str, Any]:
         # Sealed (every file and directory of the step durable, then metadata.json), then
         # published to each awaited tier in order (the tracker first): a power cut never
@@ -351,7 +362,10 @@ class Committer:
         started = record.finalized_at - record.total_time_s  # the first rank's start
         try:
             self._check_lock()
-            metadata = seal_step(target, metadata, started=started)
+            parts: dict[str, tuple[int, str]] = {}
+            for tier in self.tiers:  # the files written on other nodes, once they confirm
+                parts.update(tier.gather_parts(target, record.hashes) or {})
+            metadata = seal_step(target, metadata, started=started, parts=parts or None)
             for tier in self.tiers:
                 if tier.awaited:
                     metadata = {**metadata, **tier.publish(target, first=True)}
@@ -399,3 +413,9 @@ class Committer:
         if figures and self._uploader is not None:
             self._uploader.submit(target)  # in the background: the export is committed
         return figures
+
+
+def _log_part_failure(target: Path, future: Future[Any]) -> None:
+    error = None if future.cancelled() else future.exception()
+    if error is not None:
+        log.error("uploading this node's part of %s failed: %s", target, error)

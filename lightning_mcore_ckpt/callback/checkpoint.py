@@ -40,6 +40,7 @@ from lightning_mcore_ckpt.callback._config import (
 from lightning_mcore_ckpt.callback._intent import monitor_entry
 from lightning_mcore_ckpt.callback._tier import tiers_of
 from lightning_mcore_ckpt.callback.legacy_state import adopt_legacy_state
+from lightning_mcore_ckpt.callback.nodes import share_directory
 from lightning_mcore_ckpt.callback.preemption import PREEMPTED_EXIT_CODE, Preemption
 from lightning_mcore_ckpt.callback.startup import (
     acquire_lock,
@@ -269,6 +270,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         if self._filters is not None:  # see _find_last_checkpoints
             warnings.filters[:], self._filters = self._filters, None  # type: ignore[index]
         self._lock = acquire_lock(trainer, self._root, stage)
+        share_directory(trainer, self._root, self.config, self._tiers)  # one, or one per node
         open_tiers(trainer, self._tiers, stage)
         agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
         self._found_last = None

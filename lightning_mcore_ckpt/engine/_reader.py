@@ -119,7 +119,8 @@ class CheckpointReader:
             return str(found)
         path = Path(checkpoint_path)
         tier = self.sources.get(str(path.parent))
-        if tier is not None and not layout.is_complete(path):  # e.g. "best", staged out
+        # e.g. "best", staged out; or any step of a node-local tier (a node holds its part)
+        if tier is not None and (tier.node_local or not layout.is_complete(path)):
             return store_views.resolve_url(
                 tier.store.child(path.name).url, reading, self.verify_hashes
             )
@@ -287,13 +288,33 @@ class CheckpointReader:
             **megatron_optimizer_metadata(sharding),
             **{k: v for k, v in saved.items() if k == "chained_optim_avoid_prefix"},
         }
+        saved_layout = (markers.read_metadata(directory.parent) or {}).get("parallel_layout")
+        CheckpointReader._check_optimizer_layout(directory.parent, sharding, saved_layout, state)
+        return metadata
+
+    def check_optimizer_layout(self, path: Path, state: TrainingState) -> None:
+        """Refuse, before any of the step is read, a distributed optimizer state that cannot
+        load into this layout (one saved ``dp_reshardable`` after a model-parallel change), as
+        the step's ``metadata.json`` records it. Local, and the same on every rank: they read
+        the same record. A step whose record does not name its sharding type is checked when
+        its optimizer is loaded (:meth:`load_optimizers`), from Megatron-Core's own record."""
+        if not distributed_optimizers(state.optimizers):
+            return
+        record = markers.read_metadata(path) or {}
+        sharding = record.get("optimizer_sharding")
+        if sharding is not None:
+            self._check_optimizer_layout(path, sharding, record.get("parallel_layout"), state)
+
+    @staticmethod
+    def _check_optimizer_layout(
+        path: Path, sharding: Any, saved_layout: dict[str, int] | None, state: TrainingState
+    ) -> None:
         if sharding not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
-                f"checkpoint {directory.parent}: its distributed optimizer state has sharding "
+                f"checkpoint {path}: its distributed optimizer state has sharding "
                 f"type {sharding!r}, which this version cannot load; load the weights only "
                 "(a step without optim/) or save it again with an older version"
             )
-        saved_layout = (markers.read_metadata(directory.parent) or {}).get("parallel_layout")
         if sharding == "dp_reshardable" and saved_layout:
             differs = {
                 name: (saved_layout.get(name), size)
@@ -304,13 +325,12 @@ class CheckpointReader:
             if differs:
                 what = ", ".join(f"{n}={a} saved, {b} now" for n, (a, b) in differs.items())
                 raise ValueError(
-                    f"checkpoint {directory.parent}: its distributed optimizer state was saved "
+                    f"checkpoint {path}: its distributed optimizer state was saved "
                     f"with ckpt_optimizer_sharding='dp_reshardable', which reshards across "
                     f"data-parallel sizes only ({what}); resume with the saving layout, or save "
                     "with MegatronStrategy(ckpt_optimizer_sharding='fully_reshardable') to "
                     "change layouts"
                 )
-        return metadata
 
     @staticmethod
     def _saved_stateless(

@@ -15,11 +15,12 @@ from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine._agreeing_save_strategy import defer_metadata_errors
 from lightning_mcore_ckpt.engine._records import SaveOptions
 from lightning_mcore_ckpt.engine._shards import BackgroundWrites
-from lightning_mcore_ckpt.format import markers
+from lightning_mcore_ckpt.format import layout, markers, retention
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 
 __all__ = [
     "PendingSave",
+    "clear_unsealed_part",
     "combine_async_requests",
     "create_step_directories",
     "plan_requests",
@@ -45,6 +46,15 @@ class PendingSave:
     """Where the finalising collectives place their tensors."""
     kept: list[BaseException]
     """Rank 0's finalisation errors, kept to be shared (see ``_agreeing_save_strategy``)."""
+
+
+def clear_unsealed_part(path: Path) -> None:
+    """A node's leader, where the directory is node-local: remove this node's part of ``path``
+    that a killed or failed save left (this package's, never sealed here), before it is
+    written again. Another node's part is its own leader's."""
+    if path.is_dir() and markers.is_managed(path) and not layout.is_complete(path):
+        log.warning("removing this node's unsealed part of %s before saving it again", path)
+        retention.remove_step(path)
 
 
 def create_step_directories(path: Path, contents: Sequence[str], managed: bool) -> str | None:

@@ -16,7 +16,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.engine import _collectives
 from lightning_mcore_ckpt.engine._agreeing_save_strategy import save_strategy
-from lightning_mcore_ckpt.engine._collectives import agree_on_failure, broadcast, distributed
+from lightning_mcore_ckpt.engine._collectives import (
+    agree_on_failure,
+    broadcast,
+    distributed,
+    first_failure,
+)
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import commit_unowned
 from lightning_mcore_ckpt.engine._extra import RefusalWarnings, write_extra
@@ -29,6 +34,7 @@ from lightning_mcore_ckpt.engine._records import (
 )
 from lightning_mcore_ckpt.engine._requests import (
     PendingSave,
+    clear_unsealed_part,
     combine_async_requests,
     create_step_directories,
     plan_requests,
@@ -111,6 +117,11 @@ class CheckpointWriter:
         self._pending: PendingSave | None = None
         self._listeners: list[SaveListener] = []
         self._refusals = RefusalWarnings()
+        self.directory_leader: bool | None = None
+        """Whether this rank creates the step directories where its node's ranks write them:
+        ``None``, global rank 0 alone (every rank writes to one shared directory). A run whose
+        directory is node-local (an object store's local tier on nodes that share no file
+        system) has one leader per node (set by ``MegatronCheckpoint`` at setup)."""
 
     def add_listener(self, listener: SaveListener) -> None:
         """Register ``listener`` to be told how the saves of the paths it owns end."""
@@ -182,20 +193,27 @@ class CheckpointWriter:
     def _create_step(
         self, path: Path, contents: Sequence[str], state: TrainingState
     ) -> CheckpointSaveError | None:
-        """Rank 0 creates the step directory with its start marker; every rank learns how that
-        went. A directory that cannot be created is a save failure; a non-empty existing one is
-        a ``FileExistsError``, on every rank."""
+        """Rank 0 (each node's leader, where the directory is node-local: see
+        :attr:`directory_leader`) creates the step directory with its start marker; every rank
+        learns how that went. A directory that cannot be created is a save failure; a non-empty
+        existing one is a ``FileExistsError``, on every rank."""
         # A save no listener owns (e.g. trainer.save_checkpoint(path) by hand) commits itself
         # and is marked as not a run's own: retention and cleanup never touch it.
         managed = bool(self._owners(path))
-        problem = create_step_directories(path, contents, managed) if state.rank == 0 else None
-        # Every rank raises the same error instead of waiting for rank 0 in a barrier.
-        problem = broadcast(problem)
-        if problem is None:
+        leader = self.directory_leader
+        problem = None
+        if leader or (leader is None and state.rank == 0):
+            if leader and state.rank != 0:
+                clear_unsealed_part(path)  # what a killed run left of this step on this node
+            problem = create_step_directories(path, contents, managed)
+        # Every rank raises the same error (the lowest failing rank's) instead of waiting for a
+        # leader in a barrier.
+        found = first_failure(problem, state.rank, state.device)
+        if found is None:
             return None
-        if problem.startswith("cannot create"):
-            return CheckpointSaveError(problem)
-        raise FileExistsError(problem)
+        if found[1].startswith("cannot create"):
+            return CheckpointSaveError(found[1])
+        raise FileExistsError(found[1])
 
     def _plan_and_stage(
         self,

@@ -20,6 +20,11 @@ the save (an async save's figures arrive when it is finalised, still at its own 
 ``checkpoint/hf_upload_time_s``, ``checkpoint/hf_upload_failed``
     with ``HFExport(upload_to=...)``: how long a Hub upload of the step's export took (checked,
     sent, retries included), or ``1.0`` when it failed for good; logged when it ends.
+``checkpoint/upload_bytes``, ``checkpoint/upload_time_s``, ``checkpoint/upload_throughput_gbps``
+    with an ``s3://`` ``dirpath``: the step's publication to the store.
+``checkpoint/upload_nodes``
+    with a node-local ``local_dir`` on several nodes: how many nodes uploaded their parts of
+    the step at once (``upload_time_s`` is then the slowest node's, plus the marker).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ METRIC_KEYS = (
     "upload_bytes",
     "upload_time_s",
     "upload_throughput_gbps",
+    "upload_nodes",
 )
 """Figures of a save, as named in ``metadata.json``; logged as ``checkpoint/<name>``."""
 

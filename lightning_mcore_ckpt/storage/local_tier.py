@@ -4,6 +4,7 @@ tracker (:class:`LocalTier`, a :class:`~lightning_mcore_ckpt.storage.tier.Tier`)
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,17 @@ class LocalTier:
         elif target.exists():
             log.warning("removing incomplete %s before saving it again", target)
             retention.remove_step(target)
+        return None
+
+    def gather_parts(
+        self, target: Path, hashes: Mapping[str, str]
+    ) -> dict[str, tuple[int, str]] | None:
+        """Nothing: every file of a step is in this directory (a local ``dirpath`` is shared
+        by every rank: checked at setup)."""
+        return None
+
+    def part_upload(self, target: Path, hashes: Mapping[str, str]) -> Callable[[], Any] | None:
+        """Nothing: see :meth:`gather_parts`."""
         return None
 
     def publish(self, target: Path, first: bool) -> dict[str, Any]:

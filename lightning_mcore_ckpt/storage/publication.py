@@ -28,10 +28,12 @@ from typing import Any
 from lightning_mcore_ckpt.format import retention
 from lightning_mcore_ckpt.format.layout import SHARED_DIR, TRACKER_FILE, step_dir, step_number
 from lightning_mcore_ckpt.format.markers import METADATA_FILE, read_metadata
+from lightning_mcore_ckpt.storage.node_parts import PARTS_DIR
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
 __all__ = [
     "collect_shared",
+    "publish_parts",
     "publish_step",
     "published_steps",
     "remove_published",
@@ -83,14 +85,7 @@ def publish_step(
             f"{store.url}: {len(wrong)} objects of {name} are missing or short after their "
             f"upload (e.g. {wrong[0]}); the step is not published"
         )
-    marker = (step / METADATA_FILE).read_bytes()
-    store.put_bytes(f"{name}/{METADATA_FILE}", marker)  # the commit, last
-    total += len(marker)
-    number = int(meta["global_step"]) if "global_step" in meta else step_number(step)
-    if tracker and number is not None:
-        current = tracked_step(store)
-        if current is None or current <= number:
-            store.put_bytes(TRACKER_FILE, f"{number}\n".encode())
+    total += _commit_marker(store, step, meta, tracker)
     elapsed = time.perf_counter() - started
     log.info("published %s to %s: %.3f GB in %.2fs", name, store.url, total / 1e9, elapsed)
     return {
@@ -98,6 +93,62 @@ def publish_step(
         "upload_time_s": elapsed,
         "upload_throughput_gbps": total / 1e9 / elapsed if elapsed > 0 else None,
     }
+
+
+def publish_parts(
+    store: ObjectStore, step: Path, parts: list[dict[str, Any]], *, tracker: bool = True
+) -> dict[str, Any]:
+    """Publish a step sealed from parts that each node uploaded
+    (:mod:`~lightning_mcore_ckpt.storage.node_parts`): every file its seal lists is checked in
+    the store's listing, then the marker is written, then the tracker; the nodes'
+    confirmations are deleted. Returns the upload's figures: the bytes of every node, the
+    slowest node's time, and how many nodes uploaded (``upload_nodes``)."""
+    started = time.perf_counter()
+    meta = read_metadata(step)
+    if meta is None:
+        raise ValueError(f"{step} is not sealed ({METADATA_FILE} missing): nothing to publish")
+    name = step.name
+    files = meta.get("files") or {}
+    listed = {**store.list(name), **store.list(SHARED_DIR)}
+    wrong = [
+        rel
+        for rel, size in files.items()
+        if listed.get(rel[3:] if rel.startswith("../") else f"{name}/{rel}") != size
+    ]
+    if wrong:
+        raise OSError(
+            f"{store.url}: {len(wrong)} files of {name} are missing or short in the store (e.g. "
+            f"{wrong[0]}); the step is not published"
+        )
+    total = sum(int(p["upload_bytes"]) for p in parts) + _commit_marker(store, step, meta, tracker)
+    store.delete([k for k in store.list(name) if k.startswith(f"{name}/{PARTS_DIR}/")])
+    elapsed = max(float(p["upload_time_s"]) for p in parts) + time.perf_counter() - started
+    log.info(
+        "published %s to %s from %d nodes: %.3f GB in %.2fs",
+        name,
+        store.url,
+        len(parts),
+        total / 1e9,
+        elapsed,
+    )
+    return {
+        "upload_bytes": total,
+        "upload_time_s": elapsed,
+        "upload_throughput_gbps": total / 1e9 / elapsed if elapsed > 0 else None,
+        "upload_nodes": len(parts),
+    }
+
+
+def _commit_marker(store: ObjectStore, step: Path, meta: dict[str, Any], tracker: bool) -> int:
+    # The commit: the marker, last; then the tracker (never moved back). Its bytes.
+    marker = (step / METADATA_FILE).read_bytes()
+    store.put_bytes(f"{step.name}/{METADATA_FILE}", marker)
+    number = int(meta["global_step"]) if "global_step" in meta else step_number(step)
+    if tracker and number is not None:
+        current = tracked_step(store)
+        if current is None or current <= number:
+            store.put_bytes(TRACKER_FILE, f"{number}\n".encode())
+    return len(marker)
 
 
 def _objects_of(

@@ -25,7 +25,11 @@ __all__ = ["seal_step"]
 
 
 def seal_step(
-    path: str | Path, metadata: dict[str, Any], *, started: float | None = None
+    path: str | Path,
+    metadata: dict[str, Any],
+    *,
+    started: float | None = None,
+    parts: dict[str, tuple[int, str]] | None = None,
 ) -> dict[str, Any]:
     """Make the step at ``path`` durable, then write its ``metadata.json`` (the seal).
 
@@ -34,7 +38,9 @@ def seal_step(
     :func:`lightning_mcore_ckpt.format.integrity.complete`), ``size_bytes``, ``throughput_gbps``
     and, when ``started`` (a ``time.perf_counter()`` value) is given, ``total_time_s``. Returns
     the metadata as written. Call it on one rank, off the training thread: it walks and fsyncs
-    the whole step. Sealing a sealed step again (it gained files: a Hugging Face export)
+    the whole step. ``parts``: the files of the step written on other nodes, whose directories
+    this one cannot read (:mod:`~lightning_mcore_ckpt.storage.node_parts`), each with its size
+    and digest as its node confirmed them; the step in ``path`` is then this node's part. Sealing a sealed step again (it gained files: a Hugging Face export)
     replaces its marker.
 
     Example::
@@ -42,19 +48,26 @@ def seal_step(
         seal_step("checkpoints/run/global_step_100", {"format_version": 2, "global_step": 100})
     """
     step = Path(path)
+    elsewhere = parts or {}
     sizes = atomic.fsync_tree(step)
     sizes.pop(METADATA_FILE, None)  # a previous seal's, replaced below (an export added)
     # Files outside the step it points at (tensors written once: ../shared/...), fsynced by
     # their writer; their directory entries here.
-    shared = {n: (step / n).stat().st_size for n in metadata.get("hashes") or {} if n[:3] == "../"}
+    shared = {
+        n: (step / n).stat().st_size
+        for n in metadata.get("hashes") or {}
+        if n[:3] == "../" and n not in elsewhere
+    }
     if shared:
         atomic.fsync_dir(step.parent / layout.SHARED_DIR)
     sizes.update(shared)
+    sizes.update({n: size for n, (size, _) in elsewhere.items()})
     atomic.fsync_dir(step.parent)  # the step's own entry in the run directory
     filled = dict(metadata)
     filled["files"] = dict(sorted(sizes.items()))
     # Digests: those hashed while written (on every rank), the rest read now if small.
-    filled["hashes"] = integrity.complete(step, sizes, filled.get("hashes") or {})
+    known = {**(filled.get("hashes") or {}), **{n: d for n, (_, d) in elsewhere.items()}}
+    filled["hashes"] = integrity.complete(step, sizes, known)
     if started is not None:
         filled["total_time_s"] = time.perf_counter() - started
     filled[integrity.METADATA_HASH] = integrity.PLACEHOLDER

@@ -13,13 +13,15 @@ store's steps, and the local tier follows it.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt.format import integrity, layout, markers, retention
 from lightning_mcore_ckpt.format.layout import StepDir
-from lightning_mcore_ckpt.storage import publication, store_views
+from lightning_mcore_ckpt.storage import node_parts, publication, store_views
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
 from lightning_mcore_ckpt.storage.store_lock import StoreLock
 
@@ -41,6 +43,12 @@ class StoreTier:
         """The local tier is a staging directory: a step leaves it once published."""
         self.lock: StoreLock | None = None
         self._sent: dict[str, dict[str, int]] = {}  # per step: the objects this run uploaded
+        self.leaders: tuple[int, ...] = (0,)
+        """The ranks that upload a step: each local directory's leader (its lowest rank). More
+        than one: the local tier is node-local (:meth:`share_nodes`)."""
+        self.rank = 0
+        self.parts_timeout_s = 1800.0
+        self._parts: dict[str, list[dict[str, Any]]] = {}  # per step: each node's upload
 
     # A pickled copy (of the callback) is the same store and tier; the lock and the record of
     # uploads belong to the run in progress, and start afresh at the next fit's setup.
@@ -66,6 +74,21 @@ class StoreTier:
     @property
     def where(self) -> str:
         return self.store.url
+
+    @property
+    def node_local(self) -> bool:
+        """Whether the local tier is node-local: nodes that share no file system each hold
+        their part of a step, uploaded by their own leader
+        (:mod:`~lightning_mcore_ckpt.storage.node_parts`); whole steps are in the store alone."""
+        return len(self.leaders) > 1
+
+    def share_nodes(self, leaders: Sequence[int], rank: int, timeout_s: float) -> None:
+        """Every rank, at setup: the leader of each local directory (its lowest rank; one per
+        node when the directory is node-local), this rank, and how long rank 0 waits for the
+        other nodes' parts of a step (the process group's timeout)."""
+        self.leaders = tuple(sorted(set(leaders)))
+        self.rank = rank
+        self.parts_timeout_s = timeout_s
 
     @property
     def awaited(self) -> bool:
@@ -98,7 +121,51 @@ class StoreTier:
             return "exists"
         if self.durability == "store" and layout.is_complete(target) and markers.is_managed(target):
             retention.remove_step(target)
+        if self.node_local:  # the objects of an attempt that never got its marker, before any
+            stale = list(self.store.list(target.name))  # node uploads this one's parts
+            if stale:
+                log.info("removing %d objects of an unpublished %s", len(stale), target.name)
+                self.store.delete(stale)
         return None
+
+    def gather_parts(
+        self, target: Path, hashes: Mapping[str, str]
+    ) -> dict[str, tuple[int, str]] | None:
+        """Node-local: rank 0 uploads its node's part of ``target``, waits for every other
+        node's confirmation of its own, and checks them against the digests the ranks recorded
+        (``hashes``); the files on other nodes, each with its size and digest, for the seal.
+        ``None`` when the local tier is shared (the publication uploads the whole step)."""
+        if not self.node_local:
+            return None
+        name = target.name
+        own = node_parts.upload_part(self.store, target, hashes, self.rank)
+        others = node_parts.await_parts(self.store, name, self.leaders[1:], self.parts_timeout_s)
+        everything = node_parts.merge_parts(name, [own, *others], hashes)
+        missing = sorted(n for n in hashes if n not in everything)
+        if missing:
+            raise OSError(
+                f"{len(missing)} files of {name} that ranks wrote were uploaded by no node "
+                f"(e.g. {missing[0]}); the step is not published"
+            )
+        self._parts[name] = [own, *others]
+        here = node_parts.merge_parts(name, [own], hashes)
+        return {n: found for n, found in everything.items() if n not in here}
+
+    def part_upload(self, target: Path, hashes: Mapping[str, str]) -> Callable[[], Any] | None:
+        """Node-local, on each other node's leader: the job (for a background thread) that
+        uploads its node's part of the written step ``target`` and confirms it; ``None`` on
+        the other ranks."""
+        if not self.node_local or self.rank == 0 or self.rank not in self.leaders:
+            return None
+        return functools.partial(self._upload_part, target, dict(hashes))
+
+    def _upload_part(self, target: Path, hashes: dict[str, str]) -> None:
+        node_parts.upload_part(self.store, target, hashes, self.rank)
+        # This node's parts are only read through the store: the older ones go.
+        number = layout.step_number(target) or 0
+        for old in [*layout.incomplete_steps(self.root), *layout.complete_steps(self.root)]:
+            if old.step < number and markers.is_managed(old.path):
+                retention.remove_step(old.path)
 
     def publish(self, target: Path, first: bool) -> dict[str, Any]:
         """Upload a step sealed in the local tier (again: what it gained, e.g. its Hugging
@@ -108,7 +175,14 @@ class StoreTier:
             self.lock.check()
         sent = self._sent.setdefault(target.name, {})
         try:
-            figures = publication.publish_step(self.store, target, sent=sent)
+            if self.node_local and not first:
+                raise ValueError("a step's parts are published once (no export is added)")
+            if self.node_local:  # its parts are uploaded: the marker, once they all are there
+                figures = publication.publish_parts(
+                    self.store, target, self._parts.pop(target.name)
+                )
+            else:
+                figures = publication.publish_step(self.store, target, sent=sent)
         except Exception as err:
             if first and self.durability == "store" and layout.is_complete(target):
                 retention.remove_step(target)
@@ -157,6 +231,8 @@ class StoreTier:
         undamaged step wins when it is newer.
         """
         found = store_views.newest_intact(self.store, reading, deep)
+        if self.node_local:  # a node-local copy is a part of its step: the store's is read
+            return None if found is None else self.store.child(found.name).url
         local = None
         if self.durability == "local":  # the local tier's own "last" counts too
             local = layout.resolve_last(self.root, reading=reading, deep=deep)

@@ -3,7 +3,9 @@
 A step is committed in three phases, in this vocabulary everywhere:
 
 1. **write**: every rank writes its files into the local directory (the strategy, through
-   :class:`~lightning_mcore_ckpt.engine.CheckpointWriter`);
+   :class:`~lightning_mcore_ckpt.engine.CheckpointWriter`). Where that directory is node-local
+   (nodes that share no file system), each node holds its part of the step, which its leader
+   hands to the tier (:meth:`Tier.part_upload`) and rank 0 gathers (:meth:`Tier.gather_parts`);
 2. **seal**: once every rank has written, one process makes the step durable and writes its
    commit marker, ``metadata.json`` (:func:`lightning_mcore_ckpt.storage.seal.seal_step`);
 3. **publish**: each tier, innermost first, makes the sealed step its own, so that its
@@ -19,6 +21,7 @@ only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -63,6 +66,19 @@ class Tier(Protocol):
     def before_write(self, target: Path, overwrite: bool) -> str | None:
         """Before ``target`` is written: ``"exists"`` (it is complete here: not written
         again), why it may not be written, or ``None``. May clear what a failed save left."""
+
+    def gather_parts(
+        self, target: Path, hashes: Mapping[str, str]
+    ) -> dict[str, tuple[int, str]] | None:
+        """Rank 0, the commit thread, before the seal: the files of ``target`` written on other
+        nodes (a node-local directory that this process cannot read), each with its size and
+        digest once its node confirmed them; ``None`` when every file is in the local
+        directory. ``hashes``: the digests every rank recorded while writing."""
+
+    def part_upload(self, target: Path, hashes: Mapping[str, str]) -> Callable[[], Any] | None:
+        """Every rank but 0, once ``target`` is written everywhere: the job (run on a
+        background thread) that hands this node's part of it to the tier, on the node's leader
+        of a node-local directory; else ``None``."""
 
     def publish(self, target: Path, first: bool) -> dict[str, Any]:
         """Make the sealed step ``target`` this tier's; the figures to record. ``first``: its

@@ -672,6 +672,14 @@ class MegatronStrategy(ParallelStrategy):
         """
         self._writer.abandon()
 
+    def set_directory_leader(self, leader: bool | None) -> None:
+        """Whether this rank creates each step's directories where its node's ranks write them.
+        ``None`` (the default): global rank 0 alone, in a directory every rank shares.
+        ``MegatronCheckpoint`` sets it at setup when its local directory is node-local (an
+        object store's ``local_dir`` on nodes that share no file system): one leader per node.
+        Local."""
+        self._writer.directory_leader = leader
+
     # --- checkpoint: load (Lightning's reads one file through checkpoint_io: not used) ---------
 
     @property
@@ -703,6 +711,10 @@ class MegatronStrategy(ParallelStrategy):
         path = self._reader.resolve(checkpoint_path, self.global_rank, reading)
         if trusted and self.global_rank == 0:
             log.info("loading %s as trusted by the user: its pickles are not checked", path)
+        if fitting and self.optimizers and (path / OPTIM_DIR).is_dir():
+            # An optimizer state that cannot load into this layout: refused from the step's
+            # record on every rank, before any of its files is read.
+            self._reader.check_optimizer_layout(path, self._training_state())
         self._reader.check_extra(path / EXTRA_DIR, self._training_state(), trusted=trusted)
         self._load_weights(path, trusted=trusted)
         if self._writer.shards.dedup is not None:  # the frozen tensors just loaded: reusable

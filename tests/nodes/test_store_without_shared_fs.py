@@ -94,9 +94,14 @@ def _fit(
                 on_save_error=options.get("on_save_error", "raise"),
             )
         )
+    strategy = MegatronStrategy(
+        seed=1,
+        ckpt_async_save=options.get("async", False),
+        tensor_model_parallel_size=options.get("tp", 1),
+    )
     trainer = make_trainer(
         max_steps,
-        MegatronStrategy(seed=1, ckpt_async_save=options.get("async", False)),
+        strategy,
         int(os.environ["LOCAL_WORLD_SIZE"]),
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
         callbacks=callbacks,
@@ -125,10 +130,25 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(src: str) -> dict[str, Any]:
-    """The uninterrupted run: 2 ranks (DP 2), the same data and seeds, no checkpoint."""
-    out = run_nodes(_fit, NODES, 1, src, None, TOTAL + 2, None, {}, timeout=300)
-    return out[0]  # type: ignore[no-any-return]
+def references(src: str) -> dict[tuple[int, int], dict[str, Any]]:
+    """The uninterrupted runs, by (ranks per node, TP): the same data and seeds, no
+    checkpoint (made once per layout, when a test asks for it)."""
+    return {}
+
+
+def _reference(
+    references: dict[tuple[int, int], dict[str, Any]], src: str, per_node: int, tp: int
+) -> dict[str, Any]:
+    if (per_node, tp) not in references:
+        out = run_nodes(_fit, NODES, per_node, src, None, TOTAL + 2, None, {"tp": tp})
+        references[per_node, tp] = out[0]
+    return references[per_node, tp]
+
+
+@pytest.fixture(scope="module")
+def reference(references: dict[tuple[int, int], dict[str, Any]], src: str) -> dict[str, Any]:
+    """2 nodes of 1 rank (DP 2 across them)."""
+    return _reference(references, src, 1, 1)
 
 
 def _objects(s3: S3Server, bucket: str) -> dict[str, int]:
@@ -150,19 +170,32 @@ def _assert_exact(result: dict[str, Any], reference: dict[str, Any], steps: rang
         assert torch.equal(result["weights"][key], value), key
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+# Ranks per node (1: DP across nodes; 2: TP 2 inside each node, DP across them) x the save.
+# CI runs the two cells that cover every value; -m nodes_extended adds the other pairs.
+LAYOUTS = [
+    pytest.param(1, 1, True, id="1-rank-per-node-async"),
+    pytest.param(2, 2, False, id="tp2-in-each-node-sync"),
+    pytest.param(1, 1, False, id="1-rank-per-node-sync", marks=pytest.mark.nodes_extended),
+    pytest.param(2, 2, True, id="tp2-in-each-node-async", marks=pytest.mark.nodes_extended),
+]
+
+
+@pytest.mark.parametrize("per_node, tp, async_save", LAYOUTS)
 def test_each_node_uploads_its_part_and_other_nodes_resume_exactly(
     s3: S3Server,
     bucket: str,
     src: str,
-    reference: dict[str, Any],
+    references: dict[tuple[int, int], dict[str, Any]],
     node_dir: Path,
+    per_node: int,
+    tp: int,
     async_save: bool,
 ) -> None:
+    reference = _reference(references, src, per_node, tp)
     url = f"s3://{bucket}/run"
-    options = {"async": async_save}
+    options = {"async": async_save, "tp": tp}
     env = s3.env()
-    run_nodes(_fit, NODES, 1, src, url, TOTAL, None, options, node_dir=node_dir, env=env)
+    run_nodes(_fit, NODES, per_node, src, url, TOTAL, None, options, node_dir=node_dir, env=env)
     objects = _objects(s3, bucket)
     # Published: the newest two steps (retention on the store), no node's confirmation left.
     markers = sorted(k for k in objects if k.endswith("/metadata.json") and k.count("/") == 2)
@@ -170,19 +203,20 @@ def test_each_node_uploads_its_part_and_other_nodes_resume_exactly(
     assert not [k for k in objects if "/.parts/" in k]
     marker = _marker(s3, bucket, TOTAL)
     # Every rank's files are in the step, each uploaded by its own node: node 1's disk holds
-    # its rank's files alone, node 0's the rest.
+    # its ranks' files alone, node 0's the rest.
     listed = set(marker["files"])
-    assert {"extra/rank_00000.pt", "extra/rank_00001.pt"} <= listed
+    extras = [f"extra/rank_{r:05d}.pt" for r in range(NODES * per_node)]
+    assert set(extras) <= listed
     for rel, size in marker["files"].items():
         assert objects[f"run/global_step_{TOTAL}/{rel}"] == size, rel
     node1 = node_storage(node_dir, 1) / LOCAL / f"global_step_{TOTAL}"
     held = {p.relative_to(node1).as_posix() for p in node1.rglob("*") if p.is_file()}
-    assert "extra/rank_00001.pt" in held
-    assert not held & {"metadata.json", "extra/rank_00000.pt", "model/.metadata"}
+    assert set(extras[per_node:]) <= held
+    assert not held & {"metadata.json", "model/.metadata", *extras[:per_node]}
     # Resume on two other nodes whose local tiers are empty: every shard from the store.
     fresh = node_dir.with_name("other-nodes")
     result = run_nodes(
-        _fit, NODES, 1, src, url, TOTAL + 2, "last", options, node_dir=fresh, env=env
+        _fit, NODES, per_node, src, url, TOTAL + 2, "last", options, node_dir=fresh, env=env
     )
     for r in result:
         assert "error" not in r, r

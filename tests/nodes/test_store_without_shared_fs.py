@@ -280,6 +280,8 @@ def test_what_cannot_work_without_a_shared_fs_is_refused_on_every_rank_at_setup(
     for rank, r in enumerate(results):
         assert "error" in r and says in r["error"], (rank, r)
         assert r["error"].startswith("ConfigurationError"), r["error"]
+        # At setup, not after a hang: far below the process group's timeout (30 minutes).
+        assert r["seconds"] < 120, r
     # Refused before anything was written: no object, no step on any node.
     assert not [k for k in _objects(s3, bucket) if "global_step" in k]
     for node in range(NODES):

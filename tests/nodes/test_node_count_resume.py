@@ -48,6 +48,9 @@ OPTIMIZERS = {
     "dp_reshardable": ("distributed", "dp_reshardable"),
 }
 """The saving run's steps, one dirpath each; ``dp_reshardable`` is the refused one's."""
+LAYOUTS = {"1-rank-per-node": (1, 1), "tp2-in-each-node": (2, 2)}
+"""Each node's ranks and the TP size: DP spans the nodes in both. The second (8 ranks at 4
+nodes) is an extended cell, outside CI."""
 
 
 def _run(
@@ -107,13 +110,16 @@ def _run(
     return module, trainer
 
 
-def _save(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """On 2 nodes x 1 rank: each of :data:`OPTIMIZERS`' steps, and what the run had then."""
+def _save(
+    rank: int, world_size: int, tmp: str, per_node: int, tp: int, optimizers: list[str]
+) -> dict[str, Any]:
+    """On 2 nodes of ``per_node`` ranks: each optimizer's step, and what the run had then."""
     from _trainer import gathered_optimizer, gathered_weights
 
     saved: dict[str, Any] = {}
-    for optimizer in OPTIMIZERS:
-        module, trainer = _run(SAVED_NODES, 1, f"{tmp}/{optimizer}", optimizer, SAVED_STEP, None)
+    for optimizer in optimizers:
+        dirpath = f"{tmp}/{optimizer}"
+        module, trainer = _run(SAVED_NODES, per_node, dirpath, optimizer, SAVED_STEP, None, tp)
         saved[optimizer] = {
             "step": trainer.global_step,
             "weights": gathered_weights(trainer),
@@ -123,8 +129,10 @@ def _save(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return saved
 
 
-def _resume(rank: int, world_size: int, nodes: int, dirpath: str, optimizer: str) -> dict[str, Any]:
-    module, trainer = _run(nodes, 1, dirpath, optimizer, SAVED_STEP + MORE, "last")
+def _resume(
+    rank: int, world_size: int, nodes: int, per_node: int, tp: int, dirpath: str, optimizer: str
+) -> dict[str, Any]:
+    module, trainer = _run(nodes, per_node, dirpath, optimizer, SAVED_STEP + MORE, "last", tp)
     return {**module.loaded, "seen": module.seen, "end": trainer.global_step}
 
 
@@ -164,14 +172,38 @@ def _refused(rank: int, world_size: int, dirpath: str) -> dict[str, Any]:
     return {"error": error, **{k: sorted(set(v)) for k, v in opened.items()}}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def _save_on_2_nodes(
+    factory: pytest.TempPathFactory, layout: str, optimizers: list[str]
+) -> tuple[Path, dict[str, Any]]:
     """The saving run on 2 nodes: its directory (one shared dirpath per optimizer) and what
     each of its ranks had at the saved step."""
-    tmp = tmp_path_factory.mktemp("saved_on_2_nodes")
-    local = node_local(tmp_path_factory.mktemp("node_local"))
-    ranks = run_nodes(_save, SAVED_NODES, 1, str(tmp / "shared"), node_dir=local, timeout=400)
-    return tmp / "shared", {optimizer: [r[optimizer] for r in ranks] for optimizer in OPTIMIZERS}
+    per_node, tp = LAYOUTS[layout]
+    shared = factory.mktemp(f"saved_on_2_nodes_{layout}")
+    local = node_local(factory.mktemp("node_local"))
+    ranks = run_nodes(
+        _save,
+        SAVED_NODES,
+        per_node,
+        str(shared),
+        per_node,
+        tp,
+        optimizers,
+        node_dir=local,
+        timeout=500,
+    )
+    return shared, {optimizer: [r[optimizer] for r in ranks] for optimizer in optimizers}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Saved on 2 nodes x 1 rank: every step of :data:`OPTIMIZERS`."""
+    return _save_on_2_nodes(tmp_path_factory, "1-rank-per-node", list(OPTIMIZERS))
+
+
+@pytest.fixture(scope="module")
+def saved_tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Saved on 2 nodes x 2 ranks (TP 2 in each node): the resumed optimizers' steps."""
+    return _save_on_2_nodes(tmp_path_factory, "tp2-in-each-node", ["distributed", "adamw"])
 
 
 def _indices(batches: list[torch.Tensor]) -> list[list[int]]:
@@ -207,20 +239,37 @@ def _global_order() -> list[int]:
 
 @pytest.mark.parametrize("nodes", [1, 4], ids=["2-to-1-nodes", "2-to-4-nodes"])
 @pytest.mark.parametrize("optimizer", ["distributed", "adamw"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("1-rank-per-node"),
+        pytest.param("tp2-in-each-node", marks=pytest.mark.nodes_extended),
+    ],
+)
 def test_a_run_saved_on_2_nodes_resumes_exactly_on_another_node_count(
-    tmp_path: Path, saved: tuple[Path, dict[str, Any]], optimizer: str, nodes: int
+    tmp_path: Path, request: pytest.FixtureRequest, layout: str, optimizer: str, nodes: int
 ) -> None:
-    source, ranks = saved
+    per_node, tp = LAYOUTS[layout]
+    source, ranks = request.getfixturevalue("saved" if tp == 1 else "saved_tp2")
     before = ranks[optimizer]
     dirpath = tmp_path / "run"
     # Each cell resumes (and saves into) its own copy of the shared directory.
     shutil.copytree(source / optimizer, dirpath)
     local = node_local(tmp_path / "local")
     after = run_nodes(
-        _resume, nodes, 1, nodes, str(dirpath), optimizer, node_dir=local, timeout=400
+        _resume,
+        nodes,
+        per_node,
+        nodes,
+        per_node,
+        tp,
+        str(dirpath),
+        optimizer,
+        node_dir=local,
+        timeout=500,
     )
 
-    assert len(after) == nodes
+    assert len(after) == nodes * per_node
     reference = before[0]
     assert reference["step"] == SAVED_STEP
     assert any(".exp_avg_sq." in k for k in reference["optim"]), sorted(reference["optim"])[:5]
@@ -239,18 +288,21 @@ def test_a_run_saved_on_2_nodes_resumes_exactly_on_another_node_count(
             assert torch.equal(tensor, r["optim"][key]), f"rank {rank}: optimizer state {key}"
         assert r["end"] == SAVED_STEP + MORE
 
-    # The saving run took the epoch's first global samples, rank by rank.
+    # The saving run took the epoch's first global samples, DP rank by DP rank (the TP ranks
+    # of one, consecutive global ranks, take the same).
     order = _global_order()
     consumed = SAVED_STEP * SAVED_NODES * BATCH
     saw = [_indices(r["seen"]) for r in before]
-    assert [i for step in zip(*saw, strict=True) for b in step for i in b] == order[:consumed]
+    assert all(saw[rank] == saw[rank - rank % tp] for rank in range(len(saw)))
+    assert [i for step in zip(*saw[::tp], strict=True) for b in step for i in b] == order[:consumed]
     # Each resumed rank sees what an uninterrupted run at the new DP sees from the next sample.
     for rank, r in enumerate(after):
-        assert _indices(r["seen"]) == _uninterrupted(nodes, rank, consumed, MORE), f"rank {rank}"
-    # ... so that, step by step, the ranks together take the global order on from there.
+        expected = _uninterrupted(nodes, rank // tp, consumed, MORE)
+        assert _indices(r["seen"]) == expected, f"rank {rank}"
+    # ... so that, step by step, the DP ranks together take the global order on from there.
     taken = [
         i
-        for step in zip(*(_indices(r["seen"]) for r in after), strict=True)
+        for step in zip(*(_indices(r["seen"]) for r in after[::tp]), strict=True)
         for b in step
         for i in b
     ]

@@ -270,7 +270,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         if self._filters is not None:  # see _find_last_checkpoints
             warnings.filters[:], self._filters = self._filters, None  # type: ignore[index]
         self._lock = acquire_lock(trainer, self._root, stage)
-        share_directory(trainer, self._root, self.config, self._tiers)  # one, or one per node
+        share_directory(trainer, self._root, self.config, self._tiers, stage)  # one, or per node
         open_tiers(trainer, self._tiers, stage)
         agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
         self._found_last = None

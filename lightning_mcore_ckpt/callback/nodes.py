@@ -35,13 +35,15 @@ _PROBE = ".lmc-probe-"
 
 
 def share_directory(
-    trainer: pl.Trainer, root: Path, config: CheckpointConfig, tiers: Sequence[Tier]
+    trainer: pl.Trainer, root: Path, config: CheckpointConfig, tiers: Sequence[Tier], stage: str
 ) -> None:
-    """Collective, at setup: check that every rank names ``root`` (the local directory), find
+    """Collective, at the setup of ``fit``: check that every rank names ``root`` (the local directory), find
     which ranks share it, refuse what a node-local directory cannot do, and tell the writer and
     the store's tier who writes and uploads on each node. Every rank raises the same error."""
     import torch.distributed as dist
 
+    if stage != "fit":  # nothing is written: the directory is only read
+        return
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     argument = "local_dir" if config.store is not None else "dirpath"
@@ -100,10 +102,21 @@ def _leaders(trainer: pl.Trainer, root: Path) -> list[int]:
     token = trainer.strategy.broadcast(uuid.uuid4().hex)
     writers = [r for r, first in enumerate(_gather(trainer.local_rank == 0)) if first]
     probe = root / f"{_PROBE}{token}-{rank:05d}"
+    problem = None
     if rank in writers:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-    dist.barrier(group=cpu_group())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+        except OSError as err:
+            problem = (rank, socket.gethostname(), f"{type(err).__name__}: {err}")
+    failed = [p for p in _gather(problem) if p is not None]  # every rank, after every write
+    if failed:
+        probe.unlink(missing_ok=True)
+        who, host, why = failed[0]
+        raise ConfigurationError(
+            f"MegatronCheckpoint: rank {who} ({host}) cannot write in {root}: {why}; give "
+            "every node a writable directory at that path"
+        )
     # A lookup of each name (not a listing: a network file system may list a directory from a
     # stale cache, but it looks up a name never seen before at the server).
     seen = [r for r in writers if (root / f"{_PROBE}{token}-{r:05d}").exists()]

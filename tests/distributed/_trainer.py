@@ -24,6 +24,21 @@ def make_trainer(max_steps: int, strategy: Any, devices: int, **kwargs: Any) -> 
     )
 
 
+def record_losses(module: Any) -> dict[int, float]:
+    """Wrap ``module.training_step`` so that each step's loss is recorded: the dict it fills,
+    by global step."""
+    losses: dict[int, float] = {}
+    original = module.training_step
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        loss = original(batch, batch_idx)
+        losses[module.trainer.global_step] = float(loss)
+        return loss
+
+    module.training_step = training_step
+    return losses
+
+
 def loader(num_samples: int, batch_size: int = 2, **kwargs: Any) -> Any:
     # Resumable: a plain DataLoader cannot be resumed inside an epoch (that is refused).
     from torchdata.stateful_dataloader import StatefulDataLoader

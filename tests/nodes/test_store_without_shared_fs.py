@@ -36,11 +36,8 @@ LOCAL = "ckpt"  # local_dir, under each node's own directory
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     import_or_skip("boto3")
     import_or_skip("moto")
-    server = S3Server(tmp_path_factory.mktemp("s3server")).start()
-    try:
+    with S3Server(tmp_path_factory.mktemp("s3server")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -62,22 +59,14 @@ def _fit(
     options: dict[str, Any],
 ) -> dict[str, Any]:
     import torch
-    from _trainer import gathered_weights, loader, make_trainer
+    from _trainer import gathered_weights, loader, make_trainer, record_losses
 
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
     from lightning_mcore_ckpt.tiny import HFGPTModule
 
     torch.manual_seed(0)
     module = HFGPTModule(src, dropout=0.1)
-    losses: dict[int, float] = {}
-    original = module.training_step
-
-    def training_step(batch: Any, batch_idx: int) -> Any:
-        loss = original(batch, batch_idx)
-        losses[module.trainer.global_step] = float(loss)
-        return loss
-
-    module.training_step = training_step  # type: ignore[method-assign]
+    losses = record_losses(module)
     callbacks: list[Any] = []
     if url is not None:
         local = options.get("local_dir", os.path.join(os.environ["TMPDIR"], "..", LOCAL))

@@ -242,6 +242,12 @@ class S3Server:
         self._proc: subprocess.Popen[bytes] | None = None
         self._client: Any = None
 
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def start(self) -> S3Server:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port_file.unlink(missing_ok=True)

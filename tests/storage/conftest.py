@@ -38,11 +38,8 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[Any]:
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     import_or_skip("boto3")
     import_or_skip("moto")
-    server = S3Server(tmp_path_factory.mktemp("s3server")).start()
-    try:
+    with S3Server(tmp_path_factory.mktemp("s3server")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ def _fit(
     options: dict[str, Any],
 ) -> dict[str, Any]:
     import torch
-    from _trainer import gathered_weights, loader, make_trainer
+    from _trainer import gathered_weights, loader, make_trainer, record_losses
 
     from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
     from lightning_mcore_ckpt.engine import LOADED_FROM_KEY
@@ -55,15 +55,7 @@ def _fit(
     Path(tmp, f"pid-{rank}").write_text(str(os.getpid()))  # for the test to kill
     torch.manual_seed(0)
     module = HFGPTModule(src, dropout=0.1)
-    losses: dict[int, float] = {}
-    original = module.training_step
-
-    def training_step(batch: Any, batch_idx: int) -> Any:
-        loss = original(batch, batch_idx)
-        losses[module.trainer.global_step] = float(loss)
-        return loss
-
-    module.training_step = training_step  # type: ignore[method-assign]
+    losses = record_losses(module)
     loaded_from = types.SimpleNamespace(path="")
     original_load = module.on_load_checkpoint
 

@@ -111,10 +111,10 @@ def rank_environment(
     local_world_size: int,
     *,
     node_rank: int,
-    group_rank: bool = False,
+    nodes: int | None = None,
 ) -> dict[str, str]:
-    """The variables a launcher sets for a rank (torchrun's, ``GROUP_RANK`` where
-    ``group_rank``: the node's rank, which makes Lightning see torchelastic)."""
+    """The variables a launcher sets for a rank. With ``nodes``, all of torchrun's (the node's
+    rank as ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``...: Lightning then sees torchelastic)."""
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -124,8 +124,17 @@ def rank_environment(
         "LOCAL_WORLD_SIZE": str(local_world_size),
         "NODE_RANK": str(node_rank),
     }
-    if group_rank:
-        env["GROUP_RANK"] = str(node_rank)
+    if nodes is not None:
+        env.update(
+            GROUP_RANK=str(node_rank),
+            GROUP_WORLD_SIZE=str(nodes),
+            ROLE_NAME="default",
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(world_size),
+            TORCHELASTIC_RUN_ID="none",  # torchrun's default --rdzv-id
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+        )
     return env
 
 

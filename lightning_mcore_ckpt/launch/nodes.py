@@ -60,7 +60,8 @@ class RankOutcome:
         exit_code: its process's exit code (negative: the signal that ended it); ``None`` when
             its node was killed before its launcher could see it end.
         killed: it died of a signal (its node killed, or itself) without returning or raising.
-        timed_out: it had not ended when ``timeout`` ran out (then ``run_nodes`` killed it).
+        timed_out: it had not ended when ``timeout`` ran out (then ``run_nodes`` killed it),
+            also when it had returned or raised but its process did not exit.
         ended: ``time.monotonic()`` (one clock for every process of the machine) when it
             returned or raised; else when its launcher saw it die, or, for a node killed whole,
             when the parent saw the node's launcher gone (within a fraction of a second).
@@ -148,7 +149,7 @@ def _node_main(
     for local in range(per_node):
         rank = node * per_node + local
         rendezvous = rank_environment(
-            launch.port, rank, world_size, local, per_node, node_rank=node, group_rank=True
+            launch.port, rank, world_size, local, per_node, node_rank=node, nodes=launch.nodes
         )
         proc = fork.Process(
             target=run_rank,
@@ -181,8 +182,10 @@ def run_nodes(
     by global rank.
 
     Every rank has torchrun's environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``NODE_RANK`` and ``GROUP_RANK`` (its node), ``MASTER_ADDR`` and
-    ``MASTER_PORT``; so ``Trainer(num_nodes=nodes, devices=ranks_per_node)`` joins the group.
+    ``LOCAL_WORLD_SIZE``, ``NODE_RANK`` and ``GROUP_RANK`` (its node), ``GROUP_WORLD_SIZE``,
+    ``ROLE_*``, ``TORCHELASTIC_RUN_ID`` (``"none"``, torchrun's default), ``MASTER_ADDR`` and
+    ``MASTER_PORT``; so ``Trainer(num_nodes=nodes, devices=ranks_per_node)`` joins the group
+    (Lightning's ``TorchElasticEnvironment``).
     ``env`` adds variables to every rank.
 
     ``node_dir``: a path that is each node's own directory (Linux, as root: see
@@ -338,12 +341,13 @@ class _Job:
     def _outcome(self, rank: int, timeout: float | None) -> RankOutcome:
         node = rank // self.per_node
         code, ended = self.exit.get(rank) or (None, self.gone.get(node, (None, None))[1])
+        hung = not self._ended(rank)  # also a rank that reported, then did not exit
         if rank in self.result:
             ok, value, ended = self.result[rank]
             if ok:
-                return RankOutcome(rank, node, rank_value(value), None, code, False, False, ended)
-            return RankOutcome(rank, node, None, value, code, False, False, ended)
-        if not self._ended(rank):
+                return RankOutcome(rank, node, rank_value(value), None, code, False, hung, ended)
+            return RankOutcome(rank, node, None, value, code, False, hung, ended)
+        if hung:
             why = f"did not finish within {timeout:.0f} s; killed by run_nodes"
             return RankOutcome(rank, node, error=why, timed_out=True)
         if code is None:  # the node's launcher was killed with it

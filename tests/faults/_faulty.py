@@ -22,6 +22,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,8 +45,13 @@ _RANK_PID = 0
 _EVENTS: Path | None = None
 
 
-def _die() -> None:
+def _die(node: bool = False) -> None:
     # The rank process; called from a writer process it forked, that one too (the node died).
+    # ``node``: every process of the rank's simulated node (run_nodes), the rank's among them.
+    if node:
+        from lightning_mcore_ckpt.testing import kill_node
+
+        kill_node(int(os.environ["GROUP_RANK"]))
     os.kill(_RANK_PID, signal.SIGKILL)
     if os.getpid() != _RANK_PID:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -76,7 +82,8 @@ def _target(path: Any, sub: str = "") -> bool:
 def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Callable[[], None]:
     """Arm ``fault`` (``"<point>:<action>@<rank>"``, rank optional) in this rank's process.
 
-    Returns what disarms it. Actions: ``kill`` (SIGKILL of the rank), ``unpicklable``, ``slow``
+    Returns what disarms it. Actions: ``kill`` (SIGKILL of the rank), ``kill_node`` (SIGKILL of
+    every process of the rank's simulated node: ``run_nodes``), ``unpicklable``, ``slow``
     (a 4 s pause, then the real call), ``once-<ERRNO>`` (that error the first time only), an
     errno name (that ``OSError`` every time), or ``<SIGNAL>><until>`` (``SIGTERM>caught``: the
     first time, send that signal to the rank process, then hold there until the rank's
@@ -110,8 +117,8 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
     hold = _signal_and_hold(action, rank, patch, closing) if action.startswith("SIG") else None
 
     def act() -> None:
-        if action == "kill":
-            _die()
+        if action in ("kill", "kill_node"):
+            _die(node=action == "kill_node")
         if action == "slow":
             time.sleep(4)
             return
@@ -144,10 +151,10 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
         def write_item(*args: Any, **kwargs: Any) -> Any:
             stream = args[1]
             if _target(getattr(stream, "name", ""), sub):
-                if action == "kill":
+                if action in ("kill", "kill_node"):
                     out = original(*args, **kwargs)  # this item is on disk, the rest is not
                     stream.flush()
-                    _die()
+                    _die(node=action == "kill_node")
                     return out
                 act()
             return original(*args, **kwargs)
@@ -303,9 +310,15 @@ def run(
     slurm_job: str | None = None,
     auto_requeue: bool | None = None,
     writer: str = "threads",
+    num_nodes: int = 1,
+    gather_optimizer: bool = False,
 ) -> dict[str, Any]:
     """One run; returns where it started and ended, its losses and its gathered weights.
 
+    ``num_nodes``: ``Trainer(num_nodes=...)``, the ranks of ``run_nodes`` (``world_size //
+    num_nodes`` devices each); ``"where"`` in the result: the rank's node rank, local rank,
+    global rank and host name as Lightning sees them. ``gather_optimizer``: ``"optim"`` in the
+    result holds the optimizer state's full tensors (else ``None``).
     ``writer``: ``MegatronStrategy(ckpt_writer=...)``, our shard writer (``"threads"``) or
     Megatron-Core's (``"megatron"``).
     ``raise_at=(step, rank)``: a training error after that step on that rank (``None``: every
@@ -339,12 +352,14 @@ def _run(
     slurm_job: str | None,
     auto_requeue: bool | None,
     writer: str,
+    num_nodes: int,
+    gather_optimizer: bool,
     **_: Any,
 ) -> dict[str, Any]:
     import datetime
 
     import lightning.pytorch as pl
-    from _trainer import gathered_weights, make_trainer
+    from _trainer import gathered_optimizer, gathered_weights, make_trainer
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
@@ -384,7 +399,8 @@ def _run(
             ckpt_writer=writer,
             **({"timeout": datetime.timedelta(seconds=group_timeout_s)} if group_timeout_s else {}),
         ),
-        world_size,
+        world_size // num_nodes,
+        num_nodes=num_nodes,
         callbacks=[
             MegatronCheckpoint(
                 Path(tmp, "ckpt"),
@@ -417,6 +433,8 @@ def _run(
         "preemption_signal": callback.preemption_signal,
         "exit_code": callback.exit_code,
         "environment": type(trainer.strategy.cluster_environment).__name__,
+        "optim": gathered_optimizer(trainer) if gather_optimizer else None,
+        "where": (trainer.node_rank, trainer.local_rank, trainer.global_rank, socket.gethostname()),
         "csv": str(Path(trainer.logger.log_dir) / "metrics.csv") if trainer.logger else None,
     }
 

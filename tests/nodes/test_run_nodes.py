@@ -29,7 +29,16 @@ from lightning_mcore_ckpt.testing import (
 
 pytestmark = pytest.mark.timeout(300)
 
-TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+TORCHRUN = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _wait_for(shared: Path, count: int, limit: float = 60.0) -> None:
@@ -70,7 +79,7 @@ def test_every_node_sees_only_its_own_directory_at_the_same_path(
         # The ranks of a node share its directory; the other node's files are not there.
         assert s["sees"] == mine, rank
         assert s["host"] == f"node{node}"
-        expected = [str(rank), str(local), "4", "2", str(node), str(node)]
+        expected = [str(rank), str(local), "4", "2", str(node), str(node), "2", "none"]
         assert s["env"] == dict(zip(TORCHRUN, expected, strict=True))
         assert s["master"][0] == "127.0.0.1"
         # TMPDIR is the node's own: what tempfile makes there lands on that node's disk.

@@ -400,6 +400,54 @@ def _only_dedup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--scale``: checks its arguments, then ``benchmarks.scale.run``."""
+    from benchmarks import scale
+
+    args.sizes = args.sizes or "256M"
+    args.procs = args.procs or "2,4,8"
+    if args.device != "cpu":
+        parser.error(f"--scale --device {args.device}: the scale mode runs on the CPU (gloo)")
+    if args.sizes not in ("256M", "1G", "4G"):
+        parser.error(f"--scale --sizes {args.sizes}: pass one state, 256M, 1G or 4G")
+    try:
+        worlds = [int(p) for p in args.procs.split(",")]
+    except ValueError:
+        parser.error(f"--scale --procs {args.procs}: pass rank counts, e.g. 2,4,8")
+    if len(worlds) < 2 or min(worlds) < 1 or (args.shard == "tp" and any(8 % w for w in worlds)):
+        parser.error(
+            f"--scale --procs {args.procs}: pass two or more rank counts of at least 1"
+            + (" that divide 8 (the heads split by --shard tp)" if args.shard == "tp" else "")
+        )
+    if args.saves < 3:
+        parser.error(f"--scale --saves {args.saves}: pass 3 or more (steady saves are measured)")
+    sys.path.insert(0, str(HERE.parent))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    host = socket.gethostname()
+    size = "quick" if args.quick else args.sizes
+    stem = f"{now.date()}-{host}-scale-{size}-{args.shard}"
+    taken = 1
+    while (Path(args.out) / f"{stem}.json").exists():  # an earlier run's results stay
+        taken += 1
+        stem = f"{now.date()}-{host}-scale-{size}-{args.shard}-{taken}"
+    machine = {
+        "host": host,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "checkpoint_dir": str(Path(args.dir).resolve()),
+        **_versions(),
+    }
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    # A time limit's SIGTERM: the ranks are killed (run_distributed's cleanup); the rank
+    # counts measured so far are already written.
+    signal.signal(signal.SIGTERM, stop)
+    return scale.run(args, machine, stem)
+
+
 def _cuda_problem(procs: list[int]) -> str | None:
     """Why ``--device cuda`` cannot run here, or ``None``. Asked in this process, which starts
     no rank itself (the ranks are forked from a server that never touches CUDA)."""
@@ -425,10 +473,31 @@ def _cuda_problem(procs: list[int]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--sizes", default="256M,1G", help="states to measure (256M, 1G, 4G)")
+    parser.add_argument(
+        "--sizes", default=None, help="states to measure (256M, 1G, 4G; default 256M,1G)"
+    )
     parser.add_argument("--big", action="store_true", help="also the ~4 GiB state")
     parser.add_argument(
-        "--procs", default=None, help="process counts (TP = processes; default 1,2; cuda: 1)"
+        "--procs",
+        default=None,
+        help="process counts (TP = processes; default 1,2; cuda: 1; --scale: 2,4,8)",
+    )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="the same total state (one of --sizes, default 256M) saved and loaded at each of "
+        "--procs ranks, CPU: save, blocking, load, planning and coordination per save, with and "
+        "without cached plans, files and metadata per step (benchmarks/scale.py)",
+    )
+    parser.add_argument(
+        "--shard",
+        choices=("tp", "dp"),
+        default="tp",
+        help="--scale: how the state is split over the ranks (tp: tensor parallel over every "
+        "rank; dp: data parallel, AdamW, the replicas' writes spread over the ranks)",
+    )
+    parser.add_argument(
+        "--saves", type=int, default=6, help="--scale: saves per fit (3 or more; default 6)"
     )
     parser.add_argument(
         "--repeats",
@@ -482,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = REPEATS[args.device]
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: pass 1 or more")
+    if args.scale:
+        return _scale(parser, args)
+    if args.sizes is None:
+        args.sizes = "256M,1G"
     if args.procs is None:
         args.procs = "1" if args.device == "cuda" else "1,2"
     if args.only_s3:

@@ -52,16 +52,21 @@ def broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def gather_hashes(step: Path) -> dict[str, str]:
-    """Collective: the digests every rank recorded for files under ``step``, on every rank
-    (a node that uploads its ranks' files confirms them against these); each rank forgets its
-    own."""
+def gather_hashes(step: Path, everywhere: bool = False) -> dict[str, str]:
+    """Collective: the digests every rank recorded for files under ``step``, on rank 0 (``{}``
+    on the others), or on every rank with ``everywhere`` (where each node's leader uploads its
+    ranks' files and confirms them against these); each rank forgets its own."""
     mine = integrity.take(step)
     if not distributed():
         return mine
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {k: v for part in gathered for k, v in sorted(part.items())}
+    gathered: list[Any] | None
+    if everywhere:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    return {k: v for part in gathered or () for k, v in sorted(part.items())}
 
 
 def first_failure(message: str | None, rank: int, device: torch.device) -> tuple[int, str] | None:

@@ -369,7 +369,10 @@ class CheckpointWriter:
         blocking, write, elapsed = (float(x) for x in slowest.cpu())
         record = SaveRecord(
             **base,
-            hashes=_collectives.gather_hashes(base["path"]),
+            # On every node's leader too where the directory is node-local (it uploads them).
+            hashes=_collectives.gather_hashes(
+                base["path"], everywhere=self.directory_leader is not None
+            ),
             blocking_time_s=blocking,
             write_time_s=write,
             total_time_s=elapsed,

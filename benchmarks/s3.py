@@ -229,6 +229,10 @@ def report(result: dict[str, Any], machine: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nodes:  # uploads from 1 and several simulated nodes
+        from benchmarks import s3_nodes
+
+        return s3_nodes.run(args)
     scratch = Path(args.dir).resolve() / "s3"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -264,6 +268,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--s3-part-mb", type=int, default=64, help="with --only-s3: multipart part size (MiB)"
+    )
+    parser.add_argument(
+        "--nodes",
+        default=None,
+        help="with --only-s3: instead, one step's upload from each of these node counts, e.g. "
+        "1,2 (1: one process uploads it all; N: N simulated nodes each upload their share; "
+        "benchmarks/s3_nodes.py)",
+    )
+    parser.add_argument(
+        "--s3-files",
+        type=int,
+        default=8,
+        help="with --only-s3 --nodes: the step's shard files (each node count divides it)",
     )
 
 

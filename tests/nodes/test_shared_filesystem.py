@@ -17,7 +17,8 @@ directory at the same path, its own host name), faults where they happen (``_fau
 
 Axes: the node lost (0: global rank 0's, with the rendezvous store; 1: another) x the save
 (sync; async, the write in flight). Both values of each axis run by default; the other two
-pairs are marked ``nodes_extended``.
+pairs are marked ``nodes_extended``, as is the preemption with sync saves configured (the
+preemption's own save is sync either way).
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def test_a_node_lost_during_a_save_ends_the_others_in_time_and_costs_nothing_com
     assert listing(run) == [f"global_step_{MAX_STEPS}", TRACKER]
 
 
-@pytest.mark.parametrize("async_save", [pytest.param(True, id="async")])
+@pytest.mark.parametrize(
+    "async_save", [pytest.param(True, id="async"), pytest.param(False, id="sync", marks=EXTENDED)]
+)
 def test_a_preempted_node_stops_every_rank_at_a_saved_step_that_resumes_exactly(
     tmp_path: Path, reference: tuple[list[dict[str, Any]], Path], async_save: bool
 ) -> None:

@@ -156,6 +156,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 # go first, the rest in their usual order. The order changes no test's outcome.
 _LONGEST_FIRST = (
     "tests/resume/test_matrix.py",
+    "tests/nodes/test_shared_filesystem.py",
+    "tests/nodes/test_store_without_shared_fs.py",
     "tests/crossversion/test_cross_version.py",
     "tests/distributed/test_lightning_parity.py",
     "tests/examples/test_check_resume_examples.py",
@@ -163,6 +165,7 @@ _LONGEST_FIRST = (
     "tests/faults/test_agreement_matrix.py",
     "tests/faults/test_preemption.py",
     "tests/examples/test_examples.py",
+    "tests/nodes/test_node_count_resume.py",
     "tests/resume/test_check_resume.py",
     "tests/faults/test_failing_runs.py",
     "tests/faults/test_crash_and_errors.py",

@@ -237,15 +237,29 @@ def _global_order() -> list[int]:
     return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED)).tolist()
 
 
-@pytest.mark.parametrize("nodes", [1, 4], ids=["2-to-1-nodes", "2-to-4-nodes"])
-@pytest.mark.parametrize("optimizer", ["distributed", "adamw"])
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param("1-rank-per-node"),
-        pytest.param("tp2-in-each-node", marks=pytest.mark.nodes_extended),
-    ],
-)
+def _cells() -> list[Any]:
+    # Layout x optimizer x direction. CI runs two cells of the one-rank layout that cover
+    # every optimizer and every direction (the distributed optimizer shrinking, AdamW
+    # growing); -m nodes_extended adds the other pairs and the TP 2 layout.
+    cells = []
+    for layout in LAYOUTS:
+        for optimizer in ("distributed", "adamw"):
+            for nodes, direction in ((1, "2-to-1-nodes"), (4, "2-to-4-nodes")):
+                in_ci = layout == "1-rank-per-node" and (optimizer == "distributed") == (nodes == 1)
+                marks = () if in_ci else (pytest.mark.nodes_extended,)
+                cells.append(
+                    pytest.param(
+                        layout,
+                        optimizer,
+                        nodes,
+                        id=f"{layout}-{optimizer}-{direction}",
+                        marks=marks,
+                    )
+                )
+    return cells
+
+
+@pytest.mark.parametrize("layout, optimizer, nodes", _cells())
 def test_a_run_saved_on_2_nodes_resumes_exactly_on_another_node_count(
     tmp_path: Path, request: pytest.FixtureRequest, layout: str, optimizer: str, nodes: int
 ) -> None:

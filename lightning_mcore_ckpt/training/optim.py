@@ -217,6 +217,12 @@ def _agree(
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return scalars, stateful, names
+    if _same_everywhere(scalars, stateful, names):
+        # Every rank found the same keys (no pipeline stage without state): the union is
+        # rank 0's, values included; one broadcast instead of a gather that grows with ranks.
+        box = [scalars]
+        dist.broadcast_object_list(box, src=0)
+        return box[0], stateful, names
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (scalars, sorted(stateful), sorted(names)))
     merged: list[dict[str, Any]] = [{} for _ in scalars]
@@ -227,6 +233,23 @@ def _agree(
         stateful |= set(rank_stateful)
         names |= set(rank_names)
     return merged, stateful, names
+
+
+def _same_everywhere(scalars: list[dict[str, Any]], stateful: set[str], names: set[str]) -> bool:
+    """Collective: whether every rank found the same keys (its digest's lowest and highest over
+    the ranks agree)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    keys = ([sorted(found) for found in scalars], sorted(stateful), sorted(names))
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=7).digest()
+    value = int.from_bytes(digest, "big")
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    bounds = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    return int(bounds[0]) == value and int(bounds[1]) == -value
 
 
 def _fill_partial_keys(

@@ -17,8 +17,9 @@ directory at the same path, its own host name), faults where they happen (``_fau
 
 Axes: the node lost (0: global rank 0's, with the rendezvous store; 1: another) x the save
 (sync; async, the write in flight). Both values of each axis run by default; the other two
-pairs are marked ``nodes_extended``, as is the preemption with sync saves configured (the
-preemption's own save is sync either way).
+pairs are marked ``nodes_extended``, as is the preemption (async or sync saves configured; its
+own save is sync either way): its agreement is a collective of the whole group, which
+tests/faults/test_preemption.py covers in CI on one node.
 """
 
 from __future__ import annotations
@@ -154,7 +155,11 @@ def test_a_node_lost_during_a_save_ends_the_others_in_time_and_costs_nothing_com
 
 
 @pytest.mark.parametrize(
-    "async_save", [pytest.param(True, id="async"), pytest.param(False, id="sync", marks=EXTENDED)]
+    "async_save",
+    [
+        pytest.param(True, id="async", marks=EXTENDED),
+        pytest.param(False, id="sync", marks=EXTENDED),
+    ],
 )
 def test_a_preempted_node_stops_every_rank_at_a_saved_step_that_resumes_exactly(
     tmp_path: Path, reference: tuple[list[dict[str, Any]], Path], async_save: bool

@@ -320,7 +320,7 @@ def report(result: dict[str, Any], machine: str) -> str:
         "",
         machine,
         "",
-        f"Median of {len(first)} rounds; each round publishes the same step at every node count "
+        f"Median of {len(first)} round{'s' if len(first) > 1 else ''}; each round publishes the same step at every node count "
         "in turn (the order reversed every other round). Uploads: "
         f"{result['concurrency']} requests per file, {result['part_mb']} MiB parts, up to 4 "
         "files at once per uploading process. 1 node: one process seals and uploads the whole "

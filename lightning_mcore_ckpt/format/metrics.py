@@ -24,7 +24,8 @@ the save (an async save's figures arrive when it is finalised, still at its own 
     with an ``s3://`` ``dirpath``: the step's publication to the store.
 ``checkpoint/upload_nodes``
     with a node-local ``local_dir`` on several nodes: how many nodes uploaded their parts of
-    the step at once (``upload_time_s`` is then the slowest node's, plus the marker).
+    the step at once (``upload_time_s`` then runs from rank 0's first upload to the tracker:
+    every node's upload, the wait for their confirmations, the seal, the marker).
 """
 
 from __future__ import annotations

@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 PARTS_DIR = ".parts"
 """Under a step's prefix in the store: each node's confirmation of its part, until the marker."""
 
-_POLL_S = 0.2
+_POLL_S = (0.01, 0.5)
+"""How often rank 0 lists the confirmations: from the first interval, doubling up to the last
+(a confirmation that comes right after rank 0's own upload is seen at once; a slow node costs
+two listings a second)."""
 
 
 def part_name(step: str, leader: int) -> str:
@@ -134,6 +137,7 @@ def await_parts(
     deadline = time.monotonic() + timeout_s
     wanted = {part_name(step, r): r for r in leaders}
     found: dict[int, dict[str, Any]] = {}
+    pause = _POLL_S[0]
     while True:
         listed = store.list(f"{step}/{PARTS_DIR}")
         for key in sorted(set(listed) & set(wanted)):
@@ -154,7 +158,8 @@ def await_parts(
                 f"the nodes of ranks {missing} did not confirm their parts of {step} within "
                 f"{timeout_s:.0f} s (a node lost, or its upload stalled)"
             )
-        time.sleep(_POLL_S)
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S[1])
 
 
 def merge_parts(

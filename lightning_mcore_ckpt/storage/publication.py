@@ -96,13 +96,19 @@ def publish_step(
 
 
 def publish_parts(
-    store: ObjectStore, step: Path, parts: list[dict[str, Any]], *, tracker: bool = True
+    store: ObjectStore,
+    step: Path,
+    parts: list[dict[str, Any]],
+    *,
+    tracker: bool = True,
+    since: float | None = None,
 ) -> dict[str, Any]:
     """Publish a step sealed from parts that each node uploaded
     (:mod:`~lightning_mcore_ckpt.storage.node_parts`): every file its seal lists is checked in
     the store's listing, then the marker is written, then the tracker; the nodes'
-    confirmations are deleted. Returns the upload's figures: the bytes of every node, the
-    slowest node's time, and how many nodes uploaded (``upload_nodes``)."""
+    confirmations are deleted. Returns the upload's figures: the bytes of every node, the time
+    from ``since`` (a ``time.perf_counter()`` value: when the nodes' uploads began; else the
+    slowest node's upload) to the tracker, and how many nodes uploaded (``upload_nodes``)."""
     started = time.perf_counter()
     meta = read_metadata(step)
     if meta is None:
@@ -122,7 +128,10 @@ def publish_parts(
         )
     total = sum(int(p["upload_bytes"]) for p in parts) + _commit_marker(store, step, meta, tracker)
     store.delete([k for k in store.list(name) if k.startswith(f"{name}/{PARTS_DIR}/")])
-    elapsed = max(float(p["upload_time_s"]) for p in parts) + time.perf_counter() - started
+    if since is not None:  # the nodes' uploads, the wait for their confirmations, the seal
+        elapsed = time.perf_counter() - since
+    else:
+        elapsed = max(float(p["upload_time_s"]) for p in parts) + time.perf_counter() - started
     log.info(
         "published %s to %s from %d nodes: %.3f GB in %.2fs",
         name,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ class StoreTier:
         self.rank = 0
         self.parts_timeout_s = 1800.0
         self._parts: dict[str, list[dict[str, Any]]] = {}  # per step: each node's upload
+        self._parts_started: dict[str, float] = {}  # per step: when rank 0 began gathering
 
     # A pickled copy (of the callback) is the same store and tier; the lock and the record of
     # uploads belong to the run in progress, and start afresh at the next fit's setup.
@@ -138,6 +140,7 @@ class StoreTier:
         if not self.node_local:
             return None
         name = target.name
+        self._parts_started[name] = time.perf_counter()
         own = node_parts.upload_part(self.store, target, hashes, self.rank)
         others = node_parts.await_parts(self.store, name, self.leaders[1:], self.parts_timeout_s)
         everything = node_parts.merge_parts(name, [own, *others], hashes)
@@ -179,7 +182,10 @@ class StoreTier:
                 raise ValueError("a step's parts are published once (no export is added)")
             if self.node_local:  # its parts are uploaded: the marker, once they all are there
                 figures = publication.publish_parts(
-                    self.store, target, self._parts.pop(target.name)
+                    self.store,
+                    target,
+                    self._parts.pop(target.name),
+                    since=self._parts_started.pop(target.name, None),
                 )
             else:
                 figures = publication.publish_step(self.store, target, sent=sent)

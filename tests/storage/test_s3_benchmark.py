@@ -40,6 +40,9 @@ def _under_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
+# A simulated-node cell beyond CI's tier: the node-local upload it runs is proven in CI by
+# tests/nodes/test_store_without_shared_fs.py; this checks the benchmark's own mode.
+@pytest.mark.nodes_extended
 def test_the_s3_benchmark_nodes_mode_uploads_each_nodes_share_and_writes_its_rows(
     tmp_path: Path,
 ) -> None:

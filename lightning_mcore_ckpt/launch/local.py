@@ -277,39 +277,46 @@ def run_distributed(
     for proc in procs:
         proc.start()
     outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(outputs) < world_size:
-            try:
-                rank, ok, value, _ = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if r not in outputs and not p.is_alive() and p.exitcode not in (0, None)
-                ]
-                if dead:
-                    # Give a rank that reported just before it died the chance to be read.
-                    time.sleep(0.5)
-                    if results.empty():
-                        r = dead[0]
-                        raise DistributedFailure(
-                            f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
-                            "without reporting a result"
-                        ) from None
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in outputs]
-                    raise DistributedFailure(
-                        f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s; "
-                        "all ranks were killed"
-                    ) from None
-                continue
-            if not ok:
-                raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}")
-            outputs[rank] = rank_value(value)
+        _collect(procs, results, outputs, timeout)
     finally:
         if len(outputs) == world_size:
             for proc in procs:
                 proc.join(timeout=30)
         _kill(procs)
     return [outputs[r] for r in range(world_size)]
+
+
+def _collect(procs: list[Any], results: Any, outputs: dict[int, Any], timeout: float) -> None:
+    """Wait for every rank's result into ``outputs``; raise :class:`DistributedFailure` naming
+    the rank that failed or died, or the ranks unfinished after ``timeout`` seconds."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    while len(outputs) < world_size:
+        try:
+            rank, ok, value, _ = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if r not in outputs and not p.is_alive() and p.exitcode not in (0, None)
+            ]
+            if dead:
+                # Give a rank that reported just before it died the chance to be read.
+                time.sleep(0.5)
+                if results.empty():
+                    r = dead[0]
+                    raise DistributedFailure(
+                        f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
+                        "without reporting a result"
+                    ) from None
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in outputs]
+                raise DistributedFailure(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s; "
+                    "all ranks were killed"
+                ) from None
+            continue
+        if not ok:
+            raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{value}")
+        outputs[rank] = rank_value(value)

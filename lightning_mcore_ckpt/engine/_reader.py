@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt import _compat, _cpu
+from lightning_mcore_ckpt.engine import _rank_state
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
 from lightning_mcore_ckpt.engine._parallel_reader import load_strategy, views_readable
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
@@ -261,15 +262,15 @@ class CheckpointReader:
                 sharded_strategy=self._load_strategy(directory),
             )
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
-        for idx, opt in enumerate(state.optimizers):
-            if isinstance(opt, MegatronOptimizer):
-                with _optim.loading_distributed_optimizers(distributed_optimizers([opt])):
-                    opt.load_state_dict(loaded[f"optimizer_{idx}"])
-            else:
-                _optim.load_sharded(opt, loaded[f"optimizer_{idx}"])
-                if stateless is not None and idx < len(stateless):
-                    # Slices saved as zeros only to complete a stacked tensor: no state again.
-                    _optim.drop_state(opt, stateless[idx])
+        _rank_state.apply_optimizer_state(state, loaded, stateless)
+
+    def load_rank_state(self, step: Path, state: TrainingState, *, trusted: bool = False) -> None:
+        """Load this rank's file of a fast-tier step (:mod:`~._rank_state`) into ``state``'s
+        model and optimizers (local: each rank reads its own file, in the layout that saved
+        it). Checked before it is unpickled unless ``trusted``, as every step is."""
+        payload = _rank_state.read(step / _rank_state.state_name(state.rank), trusted=trusted)
+        stateless = self._saved_stateless(step / EXTRA_DIR, state, trusted)
+        _rank_state.load(payload, state, stateless)
 
     @staticmethod
     def _optimizer_format(directory: Path, state: TrainingState) -> dict[str, Any]:

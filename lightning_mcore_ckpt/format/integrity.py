@@ -126,6 +126,13 @@ def hash_file(path: str | os.PathLike[str]) -> str:
     return _digest(hasher)
 
 
+def hash_bytes(data: bytes | memoryview) -> str:
+    """The digest of ``data`` (as :func:`hash_file` of a file holding it)."""
+    hasher = _new()
+    hasher.update(data)
+    return _digest(hasher)
+
+
 # --- the commit marker's own digest ---------------------------------------------------------
 
 METADATA_HASH = "metadata_hash"

@@ -1,0 +1,174 @@
+"""What a node's fast-tier directory holds, and how each copy is found whole.
+
+::
+
+    <dir>/fast_step_<N>/
+        state_<r>.pt          rank r's model and optimizer state (engine/_rank_state.py)
+        extra/rank_<r>.pt     rank r's RNG and Lightning state, as in a persistent step
+        seal_<r>.json         both files' sizes and digests, written last, with its own digest
+        complete.json         written by the node's first rank once every rank's files were
+                              sealed on 1 + replicas nodes: the step counts
+
+A node holds the files of its own ranks and the copies of its peers' ranks, under the same
+names: a copy is the same file on another node. A rank's files are whole on a node when its
+seal is whole and names their sizes (:func:`present`); they are unchanged when their bytes
+hash to the seal's digests (:func:`verify`, read in full: done for the step resumed only).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.format.layout import EXTRA_DIR
+from lightning_mcore_ckpt.storage import atomic as _atomic
+
+__all__ = [
+    "COMPLETE",
+    "STEP_PREFIX",
+    "files_of",
+    "inventory",
+    "is_complete",
+    "mark_complete",
+    "present",
+    "read_seal",
+    "remove_step",
+    "seal_name",
+    "step_dir",
+    "step_number",
+    "steps",
+    "verify",
+    "write_seal",
+]
+
+STEP_PREFIX = "fast_step_"
+COMPLETE = "complete.json"
+_STEP = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The directory of fast step ``step`` under ``root``."""
+    return Path(root) / f"{STEP_PREFIX}{step}"
+
+
+def step_number(path: str | Path) -> int | None:
+    """The step a fast-step directory holds (``None``: not one)."""
+    found = _STEP.match(Path(path).name)
+    return int(found.group(1)) if found else None
+
+
+def steps(root: Path) -> list[int]:
+    """The fast steps with a directory under ``root``, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    found = (step_number(p) for p in Path(root).iterdir() if p.is_dir())
+    return sorted(s for s in found if s is not None)
+
+
+def files_of(rank: int) -> list[str]:
+    """Rank ``rank``'s files in a step, relative to it."""
+    return [f"state_{rank:05d}.pt", f"{EXTRA_DIR}/rank_{rank:05d}.pt"]
+
+
+def seal_name(rank: int) -> str:
+    return f"seal_{rank:05d}.json"
+
+
+def write_seal(step: Path, rank: int, world_size: int, files: dict[str, tuple[int, str]]) -> bytes:
+    """Seal rank ``rank``'s ``files`` (name -> size, digest) in ``step``; the seal's bytes."""
+    record: dict[str, Any] = {
+        "step": step_number(step),
+        "rank": rank,
+        "world_size": world_size,
+        "files": {name: {"size": size, "digest": digest} for name, (size, digest) in files.items()},
+    }
+    record[integrity.METADATA_HASH] = integrity.json_digest(record)
+    text = json.dumps(record, indent=1, sort_keys=True).encode()
+    _atomic.write_bytes(step / seal_name(rank), text)
+    return text
+
+
+def parse_seal(text: bytes) -> dict[str, Any] | None:
+    """A seal's record, or ``None`` when it is torn or altered."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return None
+    if record.get(integrity.METADATA_HASH) != integrity.json_digest(record):
+        return None
+    return record
+
+
+def read_seal(step: Path, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s seal in ``step``, or ``None`` (missing, torn or altered)."""
+    try:
+        return parse_seal((step / seal_name(rank)).read_bytes())
+    except OSError:
+        return None
+
+
+def present(step: Path, rank: int) -> bool:
+    """Whether ``step`` holds rank ``rank``'s files, sealed, at their sealed sizes (cheap: no
+    file is read)."""
+    record = read_seal(step, rank)
+    if record is None or record.get("rank") != rank:
+        return False
+    try:
+        return all((step / n).stat().st_size == f["size"] for n, f in record["files"].items())
+    except OSError:
+        return False
+
+
+def verify(step: Path, rank: int) -> str | None:
+    """What is wrong with rank ``rank``'s copy in ``step`` (``None``: whole and unchanged)."""
+    record = read_seal(step, rank)
+    if record is None:
+        return f"{step / seal_name(rank)} is missing, torn or altered"
+    for name, entry in record["files"].items():
+        path = step / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{path} is missing"
+        if size != entry["size"]:
+            return f"{path} has {size} bytes, its seal says {entry['size']} (torn)"
+        if integrity.hash_file(path) != entry["digest"]:
+            return f"{path} does not match its seal's digest (altered)"
+    return None
+
+
+def mark_complete(step: Path, record: dict[str, Any]) -> None:
+    """Record that every rank's files of ``step`` were sealed on enough nodes."""
+    _atomic.write_bytes(step / COMPLETE, json.dumps(record, indent=1, sort_keys=True).encode())
+
+
+def is_complete(step: Path) -> bool:
+    try:
+        json.loads((step / COMPLETE).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def inventory(root: Path, world_size: int) -> dict[int, dict[str, Any]]:
+    """What this node holds: per fast step, whether it is marked complete and whose files it
+    holds (sealed, at their sizes)."""
+    out: dict[int, dict[str, Any]] = {}
+    for step in steps(root):
+        path = step_dir(root, step)
+        held = [r for r in range(world_size) if present(path, r)]
+        out[step] = {"complete": is_complete(path), "held": held}
+    return out
+
+
+def remove_step(path: Path) -> None:
+    """Delete a fast step's directory: its marker first, so a half-deleted step never
+    counts."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)

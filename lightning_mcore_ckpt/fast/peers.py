@@ -1,0 +1,174 @@
+"""Which nodes hold a copy of each rank's files, and the copies sent between them.
+
+The nodes are found at setup by looking at the fast-tier directory (the ranks that see the
+same directory share a node: ``callback/nodes.py``). Rank ``r``, the ``i``-th rank of node
+``n``, has its copies on the ``i``-th ranks of nodes ``n+1 .. n+replicas`` (modulo the node
+count): a ring, so that each node sends and receives the same bytes, and a step survives the
+loss of any ``replicas`` nodes.
+
+Copies travel over a process group of their own (gloo, on the host): as bytes of whole files,
+each preceded by a header, point to point. The receiver writes them into its own node's
+directory under the same names and checks every file against the sender's seal before it
+writes the seal: a copy torn on the way never counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_ckpt.fast import files
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.storage import atomic as _atomic
+
+__all__ = ["Bundle", "NodeMap", "exchange", "receive", "send"]
+
+_MAX_FILES = 8
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """The job's nodes: the ranks of each, in order."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_leaders(cls, leaders: list[int]) -> NodeMap:
+        """From each rank's directory leader (the lowest rank that sees its directory)."""
+        groups: dict[int, list[int]] = {}
+        for rank, leader in enumerate(leaders):
+            groups.setdefault(leader, []).append(rank)
+        return cls(tuple(tuple(groups[k]) for k in sorted(groups)))
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
+
+    def leader(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's first rank (it marks and prunes the node's steps)."""
+        return self.nodes[self.node_of(rank)][0] == rank
+
+    def uniform(self) -> bool:
+        return len({len(ranks) for ranks in self.nodes}) == 1
+
+    def _shifted(self, rank: int, by: int) -> int:
+        node = self.node_of(rank)
+        index = self.nodes[node].index(rank)
+        return self.nodes[(node + by) % self.size][index]
+
+    def peers(self, rank: int, replicas: int) -> list[int]:
+        """The ranks that hold copies of ``rank``'s files, one per other node."""
+        return [self._shifted(rank, k) for k in range(1, replicas + 1)]
+
+    def sources(self, rank: int, replicas: int) -> list[int]:
+        """The ranks whose files ``rank`` holds copies of (``peers`` in reverse)."""
+        return [self._shifted(rank, -k) for k in range(1, replicas + 1)]
+
+
+@dataclass
+class Bundle:
+    """A rank's files of one step, as sent: its seal, then each file it names."""
+
+    seal: bytes
+    contents: list[bytes]
+
+    @classmethod
+    def read(cls, step: Path, rank: int) -> Bundle:
+        seal = (step / files.seal_name(rank)).read_bytes()
+        record = files.parse_seal(seal)
+        if record is None:
+            raise ValueError(f"{step / files.seal_name(rank)} is torn or altered")
+        return cls(seal, [(step / name).read_bytes() for name in record["files"]])
+
+    def write(self, step: Path, rank: int) -> int:
+        """Write the files into ``step`` (this node), checked against the seal, then the seal;
+        the bytes written. Raises ``ValueError`` for a copy that does not match its seal."""
+        record = files.parse_seal(self.seal)
+        if record is None or record.get("rank") != rank:
+            raise ValueError(f"the copy of rank {rank}'s seal for {step.name} is torn or altered")
+        (step / files.seal_name(rank)).unlink(missing_ok=True)
+        for (name, entry), data in zip(record["files"].items(), self.contents, strict=True):
+            if len(data) != entry["size"] or integrity.hash_bytes(data) != entry["digest"]:
+                raise ValueError(
+                    f"the copy of {step.name}/{name} does not match rank {rank}'s seal "
+                    f"({len(data)} bytes, {entry['size']} sealed)"
+                )
+            (step / name).parent.mkdir(parents=True, exist_ok=True)
+            _atomic.write_bytes(step / name, data)
+        _atomic.write_bytes(step / files.seal_name(rank), self.seal)
+        return len(self.seal) + sum(len(d) for d in self.contents)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _header(bundle: Bundle | None) -> torch.Tensor:
+    """``[1, file count, seal bytes, file bytes...]``, or zeros: nothing follows."""
+    header = torch.zeros(3 + _MAX_FILES, dtype=torch.int64)
+    if bundle is not None:
+        if len(bundle.contents) > _MAX_FILES:
+            raise ValueError(f"a bundle holds at most {_MAX_FILES} files")
+        header[0], header[1], header[2] = 1, len(bundle.contents), len(bundle.seal)
+        for i, data in enumerate(bundle.contents):
+            header[3 + i] = len(data)
+    return header
+
+
+def exchange(
+    group: Any, outgoing: list[tuple[int, Bundle | None]], incoming: list[int]
+) -> dict[int, Bundle | None]:
+    """Send each ``(peer, bundle)`` of ``outgoing`` (``None``: this rank has nothing to send)
+    and receive one bundle from each rank of ``incoming`` (``None`` where that rank had
+    nothing), all at once, point to point over ``group`` (global ranks)."""
+    headers = {src: torch.zeros(3 + _MAX_FILES, dtype=torch.int64) for src in incoming}
+    ops = [dist.P2POp(dist.isend, _header(b), dst, group) for dst, b in outgoing]
+    ops += [dist.P2POp(dist.irecv, h, src, group) for src, h in headers.items()]
+    _run(ops)
+    buffers: dict[int, list[torch.Tensor]] = {}
+    ops = []
+    for dst, bundle in outgoing:
+        if bundle is not None:
+            for data in (bundle.seal, *bundle.contents):
+                if data:
+                    ops.append(dist.P2POp(dist.isend, _as_tensor(data), dst, group))
+    for src, header in headers.items():
+        if int(header[0]) == 1:
+            sizes = [int(n) for n in header[2 : 3 + int(header[1])]]
+            buffers[src] = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            ops += [dist.P2POp(dist.irecv, t, src, group) for t in buffers[src] if t.numel()]
+    _run(ops)
+    out: dict[int, Bundle | None] = {}
+    for src in incoming:
+        got = buffers.get(src)
+        out[src] = None if got is None else Bundle(_bytes(got[0]), [_bytes(t) for t in got[1:]])
+    return out
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.numpy().tobytes()
+
+
+def _run(ops: list[Any]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def send(group: Any, dst: int, bundle: Bundle | None) -> None:
+    """One bundle to ``dst`` (see :func:`exchange`)."""
+    exchange(group, [(dst, bundle)], [])
+
+
+def receive(group: Any, src: int) -> Bundle | None:
+    """One bundle from ``src`` (see :func:`exchange`)."""
+    return exchange(group, [], [src])[src]

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.engine import CheckpointSaveError, SaveOptions, SaveRecord
     from lightning_mcore_ckpt.errors import ConfigurationError
+    from lightning_mcore_ckpt.fast import FastTier
     from lightning_mcore_ckpt.hf import HFExport
     from lightning_mcore_ckpt.resume_check import ResumeJob, ResumeReport, check_resume
     from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointSaveError",
     "ConfigurationError",
     "ElasticSampler",
+    "FastTier",
     "HFExport",
     "MegatronCheckpoint",
     "MegatronStrategy",
@@ -46,6 +48,7 @@ _LAZY = {
     "CheckpointSaveError": "lightning_mcore_ckpt.engine",
     "ConfigurationError": "lightning_mcore_ckpt.errors",
     "ElasticSampler": "lightning_mcore_ckpt.training.sampler",
+    "FastTier": "lightning_mcore_ckpt.fast",
     "HFExport": "lightning_mcore_ckpt.hf",
     "MegatronCheckpoint": "lightning_mcore_ckpt.callback",
     "MegatronStrategy": "lightning_mcore_ckpt.strategy",

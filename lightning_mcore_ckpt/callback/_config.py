@@ -21,6 +21,7 @@ from lightning_mcore_ckpt.storage import object_store
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
 if TYPE_CHECKING:
+    from lightning_mcore_ckpt.fast import FastTier
     from lightning_mcore_ckpt.hf import HFExport
 
 __all__ = [
@@ -177,6 +178,10 @@ class CheckpointConfig:
     upload_part_mb: int = 64
     """With an object-store ``dirpath``: the multipart part size (MiB). One file's upload holds
     at most ``upload_concurrency * upload_part_mb`` MiB in memory."""
+    fast_tier: FastTier | None = None
+    """A node-local, peer-replicated tier saved on its own cadence
+    (:class:`~lightning_mcore_ckpt.FastTier`): ``"last"`` resumes the newer of its newest
+    complete step and the persistent tier's. ``None``: the persistent tier alone."""
     root: Path = field(init=False)
     """``dirpath`` resolved: ``~`` expanded, absolute, symlinks resolved (as Lightning does);
     with an object-store ``dirpath``, the local tier."""
@@ -199,6 +204,7 @@ class CheckpointConfig:
             )
         self._check_one_cadence()
         self._check_contents()
+        self._check_fast_tier()
         self._check_ranking()
         names = ("save_last", "restore_dataloader", "save_on_preemption", "save_on_exception")
         for name in (*names, "overwrite"):
@@ -347,6 +353,23 @@ class CheckpointConfig:
                 "hf_export",
                 self.hf_export,
                 "pass lightning_mcore_ckpt.HFExport(hf_model_path=...) or None",
+            )
+
+    def _check_fast_tier(self) -> None:
+        from lightning_mcore_ckpt.fast import FastTier
+
+        fast = self.fast_tier
+        if fast is None:
+            return
+        if not isinstance(fast, FastTier):
+            raise _fail("fast_tier", fast, "pass lightning_mcore_ckpt.FastTier(dir=...) or None")
+        mine = Path(os.path.realpath(fast.root))
+        if mine == self.root or self.root in mine.parents or mine in self.root.parents:
+            raise _fail(
+                "fast_tier",
+                fast,
+                f"its directory {str(mine)!r} overlaps the persistent tier's {str(self.root)!r}; "
+                "give the fast tier a directory of its own (a node-local disk)",
             )
 
     def _check_ranking(self) -> None:

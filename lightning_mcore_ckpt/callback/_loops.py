@@ -143,6 +143,7 @@ def on_load(
     """At a resume: the step resumed from, and Lightning's stepped-batch counter to restore
     (``None`` when Lightning's own is right); refuses or drops unmappable loader state."""
     from lightning_mcore_ckpt.engine import LOADED_FROM_KEY
+    from lightning_mcore_ckpt.fast import files as fast_files
     from lightning_mcore_ckpt.format import layout
 
     source = checkpoint.get(LOADED_FROM_KEY) or {}
@@ -153,7 +154,9 @@ def on_load(
         # step was saved before the counter moved; a step saved between epochs was not.
         stepped = fit["epoch_loop.state_dict"].get("_batches_that_stepped")
     check_data_parallel_change(checkpoint, source, current_dp, restore_dataloader)
-    return layout.step_number(source.get("path", "")), stepped
+    path = source.get("path", "")
+    # A persistent step (global_step_<N>), or a fast-tier one (fast_step_<N>).
+    return layout.step_number(path) or fast_files.step_number(path), stepped
 
 
 def max_steps_reached(trainer: pl.Trainer) -> bool:

@@ -39,6 +39,7 @@ from lightning_mcore_ckpt.callback._config import (
 )
 from lightning_mcore_ckpt.callback._intent import monitor_entry
 from lightning_mcore_ckpt.callback._tier import tiers_of
+from lightning_mcore_ckpt.callback.fast_tier import RECORDS, FastTierRun
 from lightning_mcore_ckpt.callback.legacy_state import adopt_legacy_state
 from lightning_mcore_ckpt.callback.nodes import share_directory
 from lightning_mcore_ckpt.callback.preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 
     import lightning.pytorch as pl
 
+    from lightning_mcore_ckpt.fast import FastTier
     from lightning_mcore_ckpt.hf import HFExport
     from lightning_mcore_ckpt.storage.tier import Tier
 
@@ -147,6 +149,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         durability: Durability = "store",
         upload_concurrency: int = 8,
         upload_part_mb: int = 64,
+        fast_tier: FastTier | None = None,
     ) -> None:
         # The arguments are the config's fields, one for one, spelled out so that a type checker
         # checks a call (the Literal options); each one's documentation is the field's (below).
@@ -184,6 +187,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         self._synchronous = False  # how the next step is written (see _save_final)
         self._export_next = False
         self._own_steps: set[int] = set()  # committed by this callback (rank 0), every fit
+        self._fast: FastTierRun | None = None  # the fast tier, during a fit
 
     # --- the options and the outcome ------------------------------------------------------
 
@@ -274,6 +278,15 @@ class MegatronCheckpoint(ModelCheckpoint):
         open_tiers(trainer, self._tiers, stage)
         agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
         self._found_last = None
+        if self.config.fast_tier is not None and stage == "fit":
+            strategy = trainer.strategy
+            self._fast = FastTierRun.setup(
+                trainer,
+                self.config.fast_tier,
+                persistent_last=lambda: strategy.newest_step(str(self._root)),
+                records=self._root / RECORDS,
+                persistent=str(self._root),
+            )
         self._resumed_step = None  # set by on_load_checkpoint when this fit resumes
         self._committer = Committer(
             self._root,
@@ -358,10 +371,13 @@ class MegatronCheckpoint(ModelCheckpoint):
         except Exception as err:  # noqa: BLE001 - reported, the original exception propagates
             log.error("while handling %r: %s", exception, err)
         finally:
-            self._release(trainer)
+            self._release(trainer, failed=True)
 
-    def _release(self, trainer: pl.Trainer) -> None:
+    def _release(self, trainer: pl.Trainer, failed: bool = False) -> None:
         # After fit, or after an error (Lightning calls on_exception, not teardown, then).
+        if self._fast is not None:
+            self._fast.close(wait=not failed)
+            self._fast = None
         if self._committer is not None:
             self._committer.close()
             if isinstance(trainer.strategy, MegatronStrategy):
@@ -382,6 +398,8 @@ class MegatronCheckpoint(ModelCheckpoint):
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._timing.batch_started(trainer)
+        if self._fast is not None:
+            self._fast.log_recovery()
 
     @override
     def on_train_batch_end(
@@ -432,6 +450,19 @@ class MegatronCheckpoint(ModelCheckpoint):
             # The run ends inside an epoch: save now, while the loops still say so (once fit
             # ends Lightning has closed the epoch and the step would resume at the next one).
             self._save_final(trainer)
+        elif not (epoch_ends or ends_here):
+            self._fast_save(trainer)
+
+    def _fast_save(self, trainer: pl.Trainer) -> None:
+        """The fast tier's save of this step, when it is due and the persistent tier did not
+        just save it (inside an epoch, right after an optimizer step: where steps resume)."""
+        fast = self._fast
+        if fast is None:
+            return
+        fast.report()
+        step = trainer.global_step
+        if fast.due(step) and self._last_global_step_saved != step:
+            fast.save(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -473,6 +504,8 @@ class MegatronCheckpoint(ModelCheckpoint):
         assert isinstance(strategy, MegatronStrategy)
         strategy.finalize_pending_save(blocking=True)
         self._log_commits(trainer, wait=True)
+        if self._fast is not None:
+            self._fast.report(wait=True)
         # Rank 0 commits; every rank leaves fit once it has, so that a next fit in the same
         # processes finds "last" the same on every rank.
         strategy.barrier("megatron-checkpoint-committed")
@@ -576,7 +609,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         # A pickled copy equals the original (as Lightning's ModelCheckpoint does: the same
         # attributes), also after a fit: what belongs to a fit in progress (the committer,
         # the directory's lock) is not carried; the next fit's setup creates its own.
-        return {**vars(self), "_committer": None, "_lock": None, "_filters": None}
+        return {**vars(self), "_committer": None, "_lock": None, "_filters": None, "_fast": None}
 
     @override
     def on_save_checkpoint(
@@ -608,6 +641,15 @@ class MegatronCheckpoint(ModelCheckpoint):
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        fast = self.config.fast_tier
+        if fast is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Which tier, which step: decided by every rank together when the strategy loads
+            # (FastTierRun.recover): a node that lost its directory sees nothing here.
+            fast.root.mkdir(parents=True, exist_ok=True)  # Lightning looks at the path
+            self._found_last = True
+            return {str(fast.root)}
         self._found_last = has_last(trainer, self.save_contents, self._tiers)
         if self._found_last:
             return {str(self._root)}

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback._config import CheckpointConfig
     from lightning_mcore_ckpt.storage.tier import Tier
 
-__all__ = ["share_directory"]
+__all__ = ["leaders_of", "share_directory"]
 
 _PROBE = ".lmc-probe-"
 
@@ -48,7 +48,7 @@ def share_directory(
         return
     argument = "local_dir" if config.store is not None else "dirpath"
     _same_path(root, argument, config)
-    leaders = _leaders(trainer, root)
+    leaders = leaders_of(trainer, root)
     if len(set(leaders)) == 1:
         return
     _refuse_node_local(config, root, argument, leaders)
@@ -93,7 +93,10 @@ def _same_path(root: Path, argument: str, config: CheckpointConfig) -> None:
     )
 
 
-def _leaders(trainer: pl.Trainer, root: Path) -> list[int]:
+def leaders_of(trainer: pl.Trainer, root: Path) -> list[int]:
+    """Per rank, the lowest rank that sees the same directory at ``root`` (collective; every
+    node's local rank 0 writes a probe there). One value for a shared directory, one per node
+    for a node-local one."""
     import torch.distributed as dist
 
     from lightning_mcore_ckpt.engine import cpu_group

@@ -18,6 +18,8 @@ Its modules:
   made by hand).
 - ``_reader``: ``CheckpointReader``, a load into the current parallel layout; ``_parallel_reader``
   (a step's shard files read in parallel, each record into its tensor).
+- ``_rank_state``: one rank's whole state in one file (the fast tier's format): staged into
+  reused host buffers, written, loaded back into the same layout.
 - ``_state_dicts`` (``TrainingState``: this rank's sharded state dicts), ``_collectives`` (rank
   0's answer, an agreed failure).
 """
@@ -27,6 +29,11 @@ from __future__ import annotations
 from lightning_mcore_ckpt.engine._collectives import cpu_group
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import record_metadata
+from lightning_mcore_ckpt.engine._extra import extra_payload
+from lightning_mcore_ckpt.engine._rank_state import StagingCache
+from lightning_mcore_ckpt.engine._rank_state import stage as stage_rank_state
+from lightning_mcore_ckpt.engine._rank_state import state_name as rank_state_name
+from lightning_mcore_ckpt.engine._rank_state import write as write_payload
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
     CONTENTS,
@@ -60,15 +67,20 @@ __all__ = [
     "SaveListener",
     "SaveOptions",
     "SaveRecord",
+    "StagingCache",
     "TrainingState",
     "WriterKind",
     "WrittenBy",
     "cpu_group",
+    "extra_payload",
     "frozen_storages",
     "holds_weights_only",
     "megatron_optimizer_metadata",
     "module_sharded_state_dict",
     "optimizer_sharded_state_dict",
+    "rank_state_name",
     "record_metadata",
+    "stage_rank_state",
     "stateless_params",
+    "write_payload",
 ]

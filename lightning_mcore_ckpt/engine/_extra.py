@@ -26,17 +26,7 @@ def write_extra(
     directory: Path, checkpoint: dict[str, Any], state: TrainingState
 ) -> tuple[Path, dict[str, Any]]:
     """Write this rank's ``extra/rank_<r>.pt`` durably; its path and payload."""
-    payload = {
-        "version": EXTRA_FORMAT_VERSION,
-        "rank": state.rank,
-        "parallel_layout": state.parallel_layout,
-        "rng": RNGState().state_dict(),
-        # Which parameters had no optimizer state (frozen, or never given a gradient).
-        "optimizer_stateless": stateless_params(state.optimizers),
-        "lightning": {
-            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
-        },
-    }
+    payload = extra_payload(checkpoint, state)
     target = directory / f"rank_{state.rank:05d}.pt"
     hashed: list[integrity.HashingWriter] = []
 
@@ -47,6 +37,22 @@ def write_extra(
     _atomic.write_with(target, save)
     integrity.record(target, hashed[-1].digest)
     return target, payload
+
+
+def extra_payload(checkpoint: dict[str, Any], state: TrainingState) -> dict[str, Any]:
+    """What this rank's ``extra/rank_<r>.pt`` holds now: RNG, the parameters without optimizer
+    state, Lightning's ``checkpoint`` (without its state dicts)."""
+    return {
+        "version": EXTRA_FORMAT_VERSION,
+        "rank": state.rank,
+        "parallel_layout": state.parallel_layout,
+        "rng": RNGState().state_dict(),
+        # Which parameters had no optimizer state (frozen, or never given a gradient).
+        "optimizer_stateless": stateless_params(state.optimizers),
+        "lightning": {
+            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+        },
+    }
 
 
 class RefusalWarnings:

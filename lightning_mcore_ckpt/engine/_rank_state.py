@@ -145,14 +145,15 @@ def stage(state: TrainingState, cache: StagingCache) -> dict[str, Any]:
 
 def write(path: Any, payload: dict[str, Any]) -> tuple[int, str]:
     """Write ``payload`` to ``path`` durably and atomically; its size and digest."""
-    hashed: list[integrity.HashingWriter] = []
+    written: list[tuple[int, str]] = []
 
     def save(f: IO[bytes]) -> None:
-        hashed.append(integrity.HashingWriter(f))
-        torch.save(payload, cast(IO[bytes], hashed[-1]))
+        hashed = integrity.HashingWriter(f)
+        torch.save(payload, cast(IO[bytes], hashed))
+        written.append((hashed.tell(), hashed.digest))
 
     _atomic.write_with(path, save)
-    return hashed[-1].tell(), hashed[-1].digest
+    return written[-1]
 
 
 def read(path: Any, *, trusted: bool = False) -> dict[str, Any]:

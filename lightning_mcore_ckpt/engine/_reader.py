@@ -111,6 +111,15 @@ class CheckpointReader:
         _compat.check_readable(path)
         return path
 
+    def newest_step(self, checkpoint_path: Any) -> int | None:
+        """The step ``checkpoint_path`` (a directory of steps, or its store) resolves to now,
+        undamaged; ``None``: none (local: call it on one rank)."""
+        try:
+            found = self._resolve(checkpoint_path, None)
+        except FileNotFoundError:
+            return None
+        return layout.step_number(Path(found.rstrip("/")))
+
     def _resolve(self, checkpoint_path: Any, reading: tuple[str, ...] | None) -> str:
         tier = self.sources.get(str(checkpoint_path))
         if tier is not None:  # a dirpath in an object store, with its local tier

@@ -706,6 +706,19 @@ class MegatronStrategy(ParallelStrategy):
         trusted = safe_load.trusted_by_user(weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        recover = getattr(self._reader.sources.get(str(checkpoint_path)), "recover", None)
+        if recover is not None:  # a fast tier: which tier and which step, decided together
+            found = recover(self._training_state())
+            if found is None:
+                if self.global_rank == 0:
+                    log.warning(
+                        'ckpt_path="last": no complete checkpoint in either tier, '
+                        "starting from scratch"
+                    )
+                return {}
+            tier, checkpoint_path = found
+            if tier == "fast":
+                return self._load_rank_files(checkpoint_path, trusted=trusted)
         # Evaluation reads no optimizer bytes: damage there does not stop it.
         reading = None if fitting else ("model", "extra")
         path = self._reader.resolve(checkpoint_path, self.global_rank, reading)
@@ -738,6 +751,18 @@ class MegatronStrategy(ParallelStrategy):
                 )
             self._load_optimizers(path / OPTIM_DIR, trusted=trusted)
         return self._load_extra(path / EXTRA_DIR, trusted=trusted)
+
+    def _load_rank_files(self, path: Path, *, trusted: bool = False) -> dict[str, Any]:
+        """Load a fast-tier step: each rank its own files, in the layout that saved them."""
+        state = self._training_state()
+        self._reader.check_extra(path / EXTRA_DIR, state, trusted=trusted)
+        self._reader.load_rank_state(path, state, trusted=trusted)
+        return self._load_extra(path / EXTRA_DIR, trusted=trusted)
+
+    def newest_step(self, checkpoint_path: str) -> int | None:
+        """The step ``fit(ckpt_path=checkpoint_path)`` would load now from a directory of steps
+        (or its store), undamaged; ``None``: none. Local (one rank asks)."""
+        return self._reader.newest_step(checkpoint_path)
 
     def _load_weights(self, path: Path, *, trusted: bool = False) -> None:
         self._reader.load_weights(path, self._training_state(), trusted=trusted)

@@ -1,0 +1,234 @@
+"""The fast tier during one ``fit``: found and checked at setup, saved on its cadence, its
+outcomes logged, and the recovery that ``ckpt_path="last"`` runs through the strategy.
+
+:class:`FastTierRun` is made by ``MegatronCheckpoint.setup`` when a
+:class:`~lightning_mcore_ckpt.FastTier` is configured. At setup it learns which ranks share a
+node by looking at the fast tier's directory (:func:`~.nodes.leaders_of`), refuses what cannot
+hold (uneven nodes, more replicas than other nodes), and opens the tier's own process group.
+It registers itself with the strategy as the source of ``"last"``: the strategy's load asks it
+(:meth:`FastTierRun.recover`) which tier and which step to read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_mcore_ckpt.callback.nodes import leaders_of
+from lightning_mcore_ckpt.errors import ConfigurationError
+from lightning_mcore_ckpt.fast.peers import NodeMap
+from lightning_mcore_ckpt.fast.recovery import Recovery, recover
+from lightning_mcore_ckpt.fast.writer import FastSave, FastWriter
+from lightning_mcore_ckpt.format import metrics
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt.engine import TrainingState
+    from lightning_mcore_ckpt.fast import FastTier
+
+__all__ = ["RECORDS", "FastTierRun"]
+
+log = logging.getLogger(__name__)
+
+RECORDS = "fast_tier.jsonl"
+"""The persistent directory's record of every fast save and every recovery (rank 0 appends
+one JSON line each; ``lightning-mcore-ckpt report`` reads it)."""
+
+
+class FastTierRun:
+    """The fast tier of one ``fit`` (see the module). :meth:`setup`, :meth:`save`,
+    :meth:`recover` and :meth:`finish` are collective; :meth:`report` and :meth:`close` local."""
+
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        config: FastTier,
+        writer: FastWriter,
+        persistent_last: Callable[[], int | None],
+        records: Path,
+        persistent: str,
+    ) -> None:
+        self.config = config
+        self.writer = writer
+        self.recovery: Recovery | None = None
+        self._trainer = trainer
+        self._persistent_last = persistent_last
+        self._records = records
+        self._persistent = persistent
+        self._failed = 0
+
+    @classmethod
+    def setup(
+        cls,
+        trainer: pl.Trainer,
+        config: FastTier,
+        persistent_last: Callable[[], int | None],
+        records: Path,
+        persistent: str,
+    ) -> FastTierRun:
+        """Find the nodes, check them against ``config``, open the tier (collective).
+        ``persistent_last``: the persistent tier's newest step (rank 0); ``records``: the file
+        of :data:`RECORDS`; ``persistent``: the path that loads the persistent tier's last."""
+        import torch.distributed as dist
+
+        root = config.root
+        root.mkdir(parents=True, exist_ok=True)
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and dist.get_world_size() > 1:
+            nodes = NodeMap.from_leaders(leaders_of(trainer, root))
+        else:
+            nodes = NodeMap(((trainer.global_rank,),))
+        _check_nodes(config, nodes)
+        group = None
+        if distributed:
+            timeout = datetime.timedelta(seconds=config.timeout_s)
+            group = dist.new_group(backend="gloo", timeout=timeout)
+        world = dist.get_world_size() if distributed else 1
+        writer = FastWriter(config, nodes, trainer.global_rank, world, group)
+        run = cls(trainer, config, writer, persistent_last, records, persistent)
+        trainer.strategy.checkpoint_sources[str(root)] = run  # type: ignore[attr-defined]
+        if trainer.is_global_zero:
+            log.info(
+                "fast tier: %s on %d node(s), every %d steps, %d cop%s per rank on other nodes",
+                root,
+                nodes.size,
+                config.every_n_train_steps,
+                config.replicas,
+                "y" if config.replicas == 1 else "ies",
+            )
+        return run
+
+    # --- saves ----------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.config.every_n_train_steps == 0
+
+    def save(self, trainer: pl.Trainer) -> None:
+        """A fast save of the current step (collective; the write goes on in the background)."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        state = trainer.strategy._training_state()  # type: ignore[attr-defined]
+        self.writer.save(trainer.global_step, state, checkpoint)
+
+    def report(self, wait: bool = False) -> None:
+        """Log the fast saves that finished (``wait``: the one in flight too)."""
+        if wait:
+            self.writer.wait()
+        for outcome in self.writer.poll():
+            self._report(outcome)
+
+    def _report(self, outcome: FastSave) -> None:
+        trainer = self._trainer
+        if not outcome.complete:
+            self._failed += 1
+            if trainer.is_global_zero:
+                log.warning(
+                    "fast step %d does not count (%d so far); training goes on: %s",
+                    outcome.step,
+                    self._failed,
+                    "; ".join(outcome.errors),
+                )
+        if not trainer.is_global_zero:
+            return
+        figures = outcome.metrics() if outcome.complete else {}
+        figures["checkpoint/fast_failed"] = float(self._failed)
+        metrics.log_save_metrics(trainer.loggers, outcome.step, figures)
+        self._append(
+            {
+                "kind": "fast_save",
+                "step": outcome.step,
+                "complete": outcome.complete,
+                **{k.split("/", 1)[1]: v for k, v in outcome.metrics().items()},
+                "copied_bytes": outcome.copied_bytes,
+                "errors": list(outcome.errors),
+            }
+        )
+
+    def _append(self, record: dict[str, Any]) -> None:
+        try:
+            self._records.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._records, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as err:
+            log.warning("could not record the fast tier's figures in %s: %s", self._records, err)
+
+    # --- recovery -------------------------------------------------------------------------
+
+    def recover(self, state: TrainingState) -> tuple[str, Path] | None:
+        """Which tier and step ``ckpt_path="last"`` loads (collective, from the strategy's
+        load): ``("fast", step directory)``, ``("persistent", its directory)``, or ``None``
+        when neither tier holds a step."""
+        import torch.distributed as dist
+
+        newest = self._persistent_last() if state.rank == 0 else None
+        if dist.is_available() and dist.is_initialized():
+            box = [newest]
+            dist.broadcast_object_list(box, 0)
+            newest = box[0]
+        writer = self.writer
+        self.recovery = found = recover(
+            writer.root, writer.nodes, state.rank, self.config.replicas, newest, writer.group
+        )
+        if state.rank == 0:
+            self._announce(found, newest)
+            self._append({"kind": "recovery", **found.record(), "persistent_step": newest})
+        if found.directory is not None:
+            return "fast", found.directory
+        return None if newest is None else ("persistent", Path(self._persistent))
+
+    def _announce(self, found: Recovery, newest: int | None) -> None:
+        for why in found.skipped:
+            log.warning("skipped %s", why)
+        if found.step is not None:
+            log.info(
+                "resuming fast step %d from %s (%d rank(s) from a peer node's copy)",
+                found.step,
+                found.directory,
+                found.from_peers,
+            )
+        elif found.skipped:
+            where = f"persistent step {newest}" if newest is not None else "scratch (no step)"
+            log.warning("no fast step can be resumed: resuming from %s", where)
+
+    def log_recovery(self) -> None:
+        """Log how the resume was served (rank 0, once training runs)."""
+        found, self.recovery = self.recovery, None
+        if found is None or not self._trainer.is_global_zero:
+            return
+        step = found.step if found.step is not None else self._trainer.global_step
+        metrics.log_save_metrics(
+            self._trainer.loggers,
+            step,
+            {
+                "checkpoint/recovery_time_s": found.time_s,
+                "checkpoint/recovered_from_fast_tier": float(found.step is not None),
+                "checkpoint/recovered_ranks_from_peers": float(found.from_peers),
+            },
+        )
+
+    def close(self, wait: bool = True) -> None:
+        self.writer.close(wait)
+        sources = self._trainer.strategy.checkpoint_sources  # type: ignore[attr-defined]
+        if sources.get(str(self.config.root)) is self:
+            del sources[str(self.config.root)]
+
+
+def _check_nodes(config: FastTier, nodes: NodeMap) -> None:
+    if not nodes.uniform():
+        counts = [len(n) for n in nodes.nodes]
+        raise ConfigurationError(
+            f"FastTier(dir={str(config.dir)!r}): the nodes run different numbers of ranks "
+            f"({counts}); the fast tier pairs each rank with the same rank of its peer nodes. "
+            "Run the same number of ranks on every node"
+        )
+    if config.replicas >= nodes.size:
+        raise ConfigurationError(
+            f"FastTier(replicas={config.replicas}): each copy goes to another node, and this "
+            f"run has {nodes.size} node(s) seeing separate directories at {str(config.dir)!r}; "
+            f"pass replicas <= {nodes.size - 1} (0 keeps the node's own copy only), or give "
+            "each node its own directory there (a node-local disk)"
+        )

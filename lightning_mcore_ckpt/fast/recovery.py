@@ -1,0 +1,201 @@
+"""``fit(ckpt_path="last")`` with a fast tier: the newest complete step of either tier, found by
+every rank together, with the copies a rank lacks fetched from the node that holds them.
+
+Collective (every rank, at the load), in this order:
+
+1. each rank lists its node's fast steps (:func:`files.inventory`); every rank gets every list;
+2. the candidates: fast steps newer than the persistent tier's last one, marked complete on
+   some node, newest first. For each, every rank's files must be on some node: the rank's own
+   node first, else the nodes of its peers;
+3. the copies that would be used are read in full and hashed against their seals (each by a
+   rank of the node that holds it); a torn, missing or altered copy is passed over for the next
+   holder, and a rank with none left rules the step out, with a warning naming why;
+4. a rank whose own node lacks its good copy receives it from the holder, checks it, and writes
+   it into its node's directory (a replaced node is repopulated as it resumes);
+5. every node drops the fast steps newer than the one chosen (the future that was not kept).
+
+The outcome: the fast step to load, or the persistent tier (``None`` there when it has no
+step either: the run starts from scratch).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_mcore_ckpt.fast import files
+from lightning_mcore_ckpt.fast.peers import Bundle, NodeMap, exchange
+
+__all__ = ["Recovery", "recover"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recovery:
+    """What a resume was served from (the same on every rank)."""
+
+    step: int | None
+    """The fast step resumed, or ``None``: the persistent tier's last step (if any)."""
+    directory: Path | None
+    """Its directory on this node."""
+    sources: dict[int, int] = field(default_factory=dict)
+    """Per rank, the rank whose node's copy it loads (itself: its own node's)."""
+    skipped: list[str] = field(default_factory=list)
+    """Why each newer fast step was not used."""
+    time_s: float = 0.0
+    """How long finding and fetching took."""
+
+    @property
+    def from_peers(self) -> int:
+        """The ranks whose files came from another node."""
+        return sum(1 for rank, source in self.sources.items() if rank != source)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "tier": "persistent" if self.step is None else "fast",
+            "step": self.step,
+            "ranks_from_peers": self.from_peers,
+            "ranks": len(self.sources),
+            "skipped": list(self.skipped),
+            "time_s": self.time_s,
+        }
+
+
+def _gather(value: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def recover(
+    root: Path, nodes: NodeMap, rank: int, replicas: int, newer_than: int | None, group: Any
+) -> Recovery:
+    """Find, check and fetch the fast step to resume (see the module). ``newer_than``: the
+    persistent tier's last step (``None``: it has none). Collective over ``group``."""
+    started = time.perf_counter()
+    world = dist.get_world_size(group)
+    inventories = _gather(files.inventory(root, world), group)
+    outcome = Recovery(None, None)
+    for step in _candidates(inventories, newer_than):
+        holders = _holders(inventories, nodes, step, world, replicas)
+        checked = _unheld(holders) or _checked_sources(root, step, holders, rank, group)
+        problem = checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group)
+        if problem is not None or isinstance(checked, str):
+            outcome.skipped.append(f"fast step {step}: {problem}")
+            continue
+        outcome = Recovery(step, files.step_dir(root, step), checked, outcome.skipped)
+        break
+    _drop_newer(root, nodes, rank, outcome.step, newer_than, inventories)
+    outcome.time_s = time.perf_counter() - started
+    return outcome
+
+
+def _candidates(inventories: list[dict[int, Any]], newer_than: int | None) -> list[int]:
+    marked = {s for inv in inventories for s, what in inv.items() if what["complete"]}
+    return sorted((s for s in marked if newer_than is None or s > newer_than), reverse=True)
+
+
+def _holders(
+    inventories: list[dict[int, Any]], nodes: NodeMap, step: int, world: int, replicas: int
+) -> dict[int, list[int]]:
+    """Per rank, the ranks whose node holds its files of ``step``: its own first, then its
+    peers' (one rank per node: the first that lists it)."""
+    seen_on: dict[int, dict[int, int]] = {r: {} for r in range(world)}
+    for holder, inventory in enumerate(inventories):
+        for owner in inventory.get(step, {}).get("held", []):
+            # On the owner's node, the owner reads its own files: nothing moves.
+            mine = holder == owner or nodes.node_of(holder) != nodes.node_of(owner)
+            if mine or nodes.node_of(owner) not in seen_on[owner]:
+                seen_on[owner][nodes.node_of(holder)] = holder if mine else owner
+    out: dict[int, list[int]] = {}
+    for owner in range(world):
+        order = [nodes.node_of(owner)] + [nodes.node_of(p) for p in nodes.peers(owner, replicas)]
+        order += [n for n in seen_on[owner] if n not in order]
+        out[owner] = [seen_on[owner][n] for n in order if n in seen_on[owner]]
+    return out
+
+
+def _unheld(holders: dict[int, list[int]]) -> str | None:
+    missing = [owner for owner, held in holders.items() if not held]
+    if not missing:
+        return None
+    return f"no node holds the files of rank(s) {missing} (their nodes' directories are gone)"
+
+
+def _checked_sources(
+    root: Path, step: int, holders: dict[int, list[int]], rank: int, group: Any
+) -> dict[int, int] | str:
+    """Per rank, the first holder whose copy hashes to its seal; or why there is none."""
+    directory = files.step_dir(root, step)
+    tried = {owner: 0 for owner in holders}
+    problems: dict[int, list[str]] = {owner: [] for owner in holders}
+    while True:
+        asked = {o: h[tried[o]] for o, h in holders.items() if tried[o] < len(h)}
+        if len(asked) < len(holders):
+            failed = sorted(o for o in holders if o not in asked)
+            why = "; ".join(p for o in failed for p in problems[o])
+            return f"no whole copy of rank(s) {failed}'s files: {why}"
+        mine = {o: files.verify(directory, o) for o, h in asked.items() if h == rank}
+        verdicts: dict[int, str | None] = {}
+        for found in _gather(mine, group):
+            verdicts.update(found)
+        bad = {o: v for o, v in verdicts.items() if v is not None}
+        if not bad:
+            return asked
+        for owner, why in bad.items():
+            problems[owner].append(f"the copy on rank {asked[owner]}'s node: {why}")
+            tried[owner] += 1
+
+
+def _fetch(root: Path, step: int, sources: dict[int, int], rank: int, group: Any) -> str | None:
+    """Bring each rank's copy to its own node where it comes from another (collective); the
+    problem, the same on every rank, or ``None``."""
+    directory = files.step_dir(root, step)
+    moves = [(owner, source) for owner, source in sources.items() if owner != source]
+    error = None
+    outgoing = [(owner, _read(directory, owner)) for owner, source in moves if source == rank]
+    incoming = [source for owner, source in moves if owner == rank]
+    received = exchange(group, outgoing, incoming) if moves else {}
+    for source, bundle in received.items():
+        try:
+            if bundle is None:
+                raise ValueError(f"rank {source} could not read it")
+            bundle.write(directory, rank)
+        except (OSError, ValueError) as err:
+            error = (
+                f"rank {rank} ({socket.gethostname()}) fetching its files from rank {source}: {err}"
+            )
+    errors = [e for e in _gather(error, group) if e is not None]
+    return "; ".join(errors) if errors else None
+
+
+def _read(directory: Path, owner: int) -> Bundle | None:
+    try:
+        return Bundle.read(directory, owner)
+    except (OSError, ValueError):
+        return None
+
+
+def _drop_newer(
+    root: Path,
+    nodes: NodeMap,
+    rank: int,
+    chosen: int | None,
+    newer_than: int | None,
+    inventories: list[dict[int, Any]],
+) -> None:
+    """Delete, on each node, the fast steps newer than the step resumed: a run that resumes an
+    older step never counts them again."""
+    resumed = chosen if chosen is not None else newer_than
+    if not nodes.leader(rank):
+        return
+    for step in inventories[rank]:
+        if resumed is None or step > resumed:
+            files.remove_step(files.step_dir(root, step))

@@ -538,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the local disk against an S3 server on loopback (benchmarks/s3.py)",
     )
     parser.add_argument(
+        "--only-fast-tier",
+        action="store_true",
+        help="only the fast tier against the persistent one on 2 simulated nodes: recovery "
+        "time (own copies, a peer's copies, the persistent tier), blocking per save, steps lost "
+        "(one of --sizes, default 1G; benchmarks/fast_tier.py)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -553,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats {args.repeats}: pass 1 or more")
     if args.scale:
         return _scale(parser, args)
+    if args.only_fast_tier:
+        from benchmarks import fast_tier
+
+        if args.device != "cpu":
+            parser.error(f"--only-fast-tier --device {args.device}: it runs on the CPU (gloo)")
+        return fast_tier.run(args)
     if args.sizes is None:
         args.sizes = "256M,1G"
     if args.procs is None:

@@ -1,0 +1,651 @@
+"""The fast tier next to the persistent tier, on simulated nodes:
+``python -m benchmarks --only-fast-tier [--sizes 1G] [--repeats 3] [--quick]``.
+
+One job of 2 simulated nodes x 1 rank (``testing.run_nodes`` with a ``node_dir``: each node
+its own directory at the same path; the model split over both ranks by tensor parallelism, so
+the state in total is the size asked for: weights and AdamW's two moments, fp32,
+``workloads.SIZES``) trains with ``MegatronCheckpoint(every_n_train_steps=PERSIST)``, its saves
+async (``MegatronStrategy(ckpt_async_save=True)``), and ``FastTier(every_n_train_steps=FAST,
+replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast step
+``KILLED_AT`` is complete, the persistent tier's last step being ``PERSISTED``. Measured:
+
+1. **Blocking per save, side by side in that one run.** Before each step that ends with a
+   save, every save still in flight is waited for (outside the figures), so each save's
+   blocking is its own. Per save: the library's figures (``fast_blocking_time_s`` of rank 0
+   from ``fast_tier.jsonl``; the persistent step's ``blocking_time_s``, its slowest rank's,
+   from its ``metadata.json``) and the wall time of the callback's ``on_train_batch_end`` at
+   that step on every rank (the training loop's own view: everything the save did on the
+   training thread).
+2. **Recovery, launch -> first resumed step.** The killed job's directories are kept as a
+   snapshot; each launch gets a copy (large files hard-linked, so a copy costs nothing and
+   the snapshot is never changed: every write of a load is a new file), damaged as the row
+   says, its files dropped from the page cache, then ``fit(ckpt_path="last")`` on 2 new
+   simulated nodes:
+
+   - **fast tier, own copies**: every node's directory intact;
+   - **fast tier, peer copies**: node 0's directory wiped (a replaced node): its rank fetches
+     its files from node 1;
+   - **persistent tier**: both nodes' directories wiped: no fast step newer than the
+     persistent tier's last one; that step is loaded from the shared directory.
+
+   The time runs from just before ``run_nodes`` (``time.monotonic()``: one clock for every
+   process of the machine) to the first ``on_train_batch_start`` after the load; the phases on
+   the way are recorded, and the recovery's own ``time_s`` (``fast_tier.jsonl``: finding the
+   step together, checking the copies against their seals, fetching the missing ones; not the
+   load itself). The rows are interleaved, the order reversed every other round.
+3. **Steps lost at a failure**: arithmetic from the cadences (see :func:`steps_lost`), with
+   the save times of item 1 in steps of this run.
+
+The node processes are forked from a server that imported the libraries (as ``run_nodes``
+always does): interpreter start and imports are not in the launch figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+
+NODES = 2
+PER_NODE = 1
+FAST = 2
+"""The fast tier's cadence in the measured run (steps)."""
+PERSIST = 4
+"""The persistent tier's (async) cadence in the measured run (steps)."""
+KILLED_AT = 22
+"""The job is killed once this fast step is complete."""
+PERSISTED = 20
+"""The persistent tier's last step then."""
+
+ROWS = ("fast tier, own copies", "fast tier, peer copies", "persistent tier")
+PHASES = ("rank started", "model set up", "state loaded", "first step starts")
+
+# (fast, persistent) cadences of the steps-lost table.
+CADENCES = ((10, 200), (20, 500), (50, 1000), (100, 2000))
+
+
+# --- inside every rank ------------------------------------------------------------------------
+
+
+def _callbacks(cfg: dict[str, Any], marks: dict[str, Any], prepare: bool) -> list[Any]:
+    """The checkpoint callback (timing its ``on_train_batch_end`` per step) and the clock."""
+    import lightning.pytorch as pl
+
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint
+
+    launched_at = cfg["launched_at"]
+    steps: dict[int, dict[str, Any]] = marks.setdefault("steps", {})
+    hook = {"in": False}  # inside the checkpoint's on_train_batch_end
+
+    class Timed(MegatronCheckpoint):  # type: ignore[misc]
+        """``on_train_batch_end``'s wall time per step: every save's blocking, as the training
+        loop sees it."""
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            started = time.perf_counter()
+            hook["in"] = True
+            try:
+                super().on_train_batch_end(trainer, *args)
+            finally:
+                hook["in"] = False
+            ended = time.perf_counter()
+            row = steps.setdefault(trainer.global_step, {})
+            row["hook_s"] = ended - started
+            if "returned" in row:  # the hook's time after writer.save returned
+                row.setdefault("parts", {})["after writer.save"] = ended - row.pop("returned")
+            if "started" in row:
+                row["step_s"] = started - row.pop("started")
+
+    checkpoint = Timed(
+        Path(cfg["shared"]) / "ckpt",
+        every_n_train_steps=PERSIST,
+        fast_tier=FastTier(
+            Path(cfg["node_dir"]) / "fast",
+            every_n_train_steps=FAST,
+            replicas=1,
+            max_to_keep=2,
+        ),
+    )
+
+    def saves_after(step: int) -> bool:
+        return step % FAST == 0 or step % PERSIST == 0
+
+    class Clock(pl.Callback):  # type: ignore[misc]
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            marks["model set up"] = time.monotonic() - launched_at
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            marks["state loaded"] = time.monotonic() - launched_at
+            marks["resumed_step"] = trainer.global_step
+            if prepare:  # where a fast save's time on the training thread goes
+                fast = checkpoint._fast
+                for name, owner, attr in (
+                    ("fast save, in all", checkpoint, "_fast_save"),
+                    ("dump_checkpoint", trainer._checkpoint_connector, "dump_checkpoint"),
+                    ("training_state", trainer.strategy, "_training_state"),
+                    ("writer.save", fast.writer, "save"),
+                    ("report", fast, "report"),
+                ):
+                    timed = _timed_part(trainer, steps, hook, name, getattr(owner, attr))
+                    setattr(owner, attr, timed)
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            step = trainer.global_step
+            if not prepare:  # the first step after the load: the figure, then gone
+                marks["first step starts"] = time.monotonic() - launched_at
+                _write_marks(cfg, trainer.global_rank, marks)
+                os._exit(0)
+            fast = checkpoint._fast
+            if step == KILLED_AT:  # fast step KILLED_AT and every persistent save done: killed
+                fast.report(wait=True)
+                self._wait_persistent(trainer)
+                checkpoint._log_commits(trainer, wait=True)
+                _write_marks(cfg, trainer.global_rank, marks)
+                os._exit(0)
+            if saves_after(step + 1):
+                # Every save in flight finished first, outside the figures (as
+                # workloads' SavesApart does): each save's blocking is its own.
+                waited = time.perf_counter()
+                fast.report(wait=True)
+                self._wait_persistent(trainer)
+                marks.setdefault("waits_s", []).append(time.perf_counter() - waited)
+            steps.setdefault(step + 1, {})["started"] = time.perf_counter()
+
+        @staticmethod
+        def _wait_persistent(trainer: Any) -> None:
+            while not trainer.strategy.finalize_pending_save(blocking=False):
+                time.sleep(0.002)
+
+    marks["rank started"] = time.monotonic() - launched_at
+    return [Clock(), checkpoint]
+
+
+def _timed_part(
+    trainer: Any, steps: dict[int, dict[str, Any]], hook: dict[str, bool], name: str, fn: Any
+) -> Any:
+    """``fn``, its wall time inside the checkpoint's ``on_train_batch_end`` added to
+    ``steps[<the step>]["parts"][name]`` per call (when ``writer.save`` returned, too)."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if not hook["in"]:
+            return fn(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ended = time.perf_counter()
+            row = steps.setdefault(trainer.global_step, {})
+            parts = row.setdefault("parts", {})
+            parts[name] = parts.get(name, 0.0) + ended - started
+            if name == "writer.save":
+                row["returned"] = ended
+
+    return timed
+
+
+def _write_marks(cfg: dict[str, Any], rank: int, marks: dict[str, Any]) -> None:
+    path = Path(cfg["shared"]) / f"marks_{rank}.json"
+    path.write_text(json.dumps(marks, default=str))
+
+
+def job(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """One rank: ``cfg["mode"]`` ``"prepare"`` (train, save both tiers, killed after fast step
+    :data:`KILLED_AT`) or ``"resume"`` (``ckpt_path="last"``, gone at its first step). Its
+    figures go to ``<shared>/marks_<rank>.json``; it never returns."""
+    import lightning.pytorch as pl
+
+    from benchmarks import workloads
+    from lightning_mcore_ckpt import MegatronStrategy
+
+    marks: dict[str, Any] = {}
+    prepare = cfg["mode"] == "prepare"
+    callbacks = _callbacks(cfg, marks, prepare)
+    trainer = pl.Trainer(
+        strategy=MegatronStrategy(tensor_model_parallel_size=world, ckpt_async_save=True),
+        accelerator="cpu",
+        devices=PER_NODE,
+        num_nodes=world // PER_NODE,
+        max_steps=KILLED_AT + 2,
+        logger=False,
+        enable_checkpointing=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(
+        workloads._module(cfg["size"]),
+        train_dataloaders=workloads._loader(stateful=True),
+        ckpt_path=None if prepare else "last",
+    )
+    raise RuntimeError(f"rank {rank}: fit returned before step {KILLED_AT} (not killed)")
+
+
+# --- the parent -------------------------------------------------------------------------------
+
+
+def _launch(root: Path, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """The job on :data:`NODES` simulated nodes under ``root``; each rank's marks."""
+    from lightning_mcore_ckpt.testing import run_nodes
+
+    shared, node_dir = root / "shared", root / "local"
+    shared.mkdir(parents=True, exist_ok=True)
+    for old in shared.glob("marks_*.json"):
+        old.unlink()
+    cfg = {**cfg, "shared": str(shared), "node_dir": str(node_dir)}
+    cfg["launched_at"] = time.monotonic()
+    outcomes = run_nodes(
+        job, NODES, PER_NODE, cfg, node_dir=node_dir, timeout=timeout, outcomes=True
+    )
+    # Every rank leaves by os._exit(0) once its figures are written ("died with exit code 0
+    # without reporting a result"): anything else failed.
+    bad = [
+        o for o in outcomes if o.exit_code != 0 or not (shared / f"marks_{o.rank}.json").exists()
+    ]
+    if bad:
+        from lightning_mcore_ckpt.testing import DistributedFailure
+
+        raise DistributedFailure(
+            "\n".join(f"rank {o.rank}: exit {o.exit_code}\n{o.error}" for o in bad)
+        )
+    return [json.loads((shared / f"marks_{r}.json").read_text()) for r in range(len(outcomes))]
+
+
+def _records(root: Path) -> list[dict[str, Any]]:
+    from lightning_mcore_ckpt.callback.fast_tier import RECORDS
+
+    path = root / "shared" / "ckpt" / RECORDS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _copy(snapshot: Path, target: Path) -> None:
+    """``snapshot`` at ``target``: files over 1 MiB hard-linked (a load only reads them, and
+    every file it writes is a new one), the rest copied (appended to: the records)."""
+
+    def link_or_copy(src: str, dst: str) -> None:
+        if os.path.getsize(src) > MiB:
+            os.link(src, dst)
+        else:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(snapshot, target, copy_function=link_or_copy, symlinks=True)
+
+
+def _wipe(root: Path, node: int) -> None:
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    fast = node_storage(root / "local", node) / "fast"
+    shutil.rmtree(fast, ignore_errors=True)
+    fast.mkdir(parents=True)
+
+
+def _max(ranks: list[dict[str, Any]], step: int, key: str) -> float | None:
+    values = [r["steps"].get(str(step), {}).get(key) for r in ranks]
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _parts(ranks: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The slowest rank's time in each timed part of the hook at ``step``."""
+    out: dict[str, float] = {}
+    for r in ranks:
+        for name, seconds in r["steps"].get(str(step), {}).get("parts", {}).items():
+            out[name] = max(out.get(name, 0.0), seconds)
+    return out
+
+
+def prepare(scratch: Path, size: str, timeout: float) -> dict[str, Any]:
+    """The measured training run (see the module, item 1); its directories become the
+    snapshot every recovery starts from."""
+    from lightning_mcore_ckpt.format import layout, markers
+
+    run = scratch / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    ranks = _launch(run, {"mode": "prepare", "size": size}, timeout)
+    # fast_tier.jsonl's names, fast_ taken off (blocking_time_s...), as the persistent tier's
+    fast_saves = [
+        {k.removeprefix("fast_"): v for k, v in r.items()}
+        for r in _records(run)
+        if r.get("kind") == "fast_save"
+    ]
+    persisted = []
+    for step in layout.complete_steps(run / "shared" / "ckpt"):
+        meta = markers.read_metadata(step.path) or {}
+        persisted.append(
+            {
+                "step": step.step,
+                "blocking_time_s": meta.get("blocking_time_s"),
+                "total_time_s": meta.get("total_time_s"),
+                "write_time_s": meta.get("write_time_s"),
+                "size_bytes": meta.get("size_bytes"),
+                "hook_s": _max(ranks, step.step, "hook_s"),
+            }
+        )
+    for save in fast_saves:
+        save["hook_s"] = _max(ranks, save["step"], "hook_s")
+        save["parts"] = _parts(ranks, save["step"])
+    quiet = [
+        s
+        for s in range(1, KILLED_AT + 1)
+        if s % FAST and s % PERSIST  # steps that end without a save
+    ]
+    step_s = [v for s in quiet if (v := _max(ranks, s, "step_s")) is not None]
+    idle_hook = [v for s in quiet if (v := _max(ranks, s, "hook_s")) is not None]
+    snapshot = scratch / "snapshot"
+    shutil.rmtree(snapshot, ignore_errors=True)
+    run.rename(snapshot)
+    from benchmarks import workloads
+
+    return {
+        "fast_saves": fast_saves,
+        "persistent_saves": persisted,
+        "step_s": statistics.median(step_s) if step_s else None,
+        "hook_without_save_s": statistics.median(idle_hook) if idle_hook else None,
+        "waits_s": [r.get("waits_s", []) for r in ranks],
+        "persistent_step_bytes": workloads.tree_bytes(
+            snapshot / "shared" / "ckpt" / f"global_step_{PERSISTED}"
+        ),
+        "snapshot_bytes": workloads.tree_bytes(snapshot),
+    }
+
+
+def recover_once(scratch: Path, row: str, size: str, timeout: float) -> dict[str, Any]:
+    """One launch of ``row`` from a fresh copy of the snapshot (see the module, item 2)."""
+    from benchmarks import workloads
+
+    run = scratch / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    _copy(scratch / "snapshot", run)
+    if row != ROWS[0]:
+        _wipe(run, 0)
+    if row == ROWS[2]:
+        _wipe(run, 1)
+    workloads.drop_cache(run)
+    workloads.drop_cache(scratch / "snapshot")
+    ranks = _launch(run, {"mode": "resume", "size": size}, timeout)
+    recoveries = [r for r in _records(run) if r.get("kind") == "recovery"]
+    shutil.rmtree(run, ignore_errors=True)
+    return {
+        "phases": {p: max(r[p] for r in ranks) for p in PHASES},
+        "resumed_step": ranks[0]["resumed_step"],
+        "recovery": recoveries[-1] if recoveries else None,
+    }
+
+
+def measure(scratch: Path, size: str, repeats: int, timeout: float) -> dict[str, Any]:
+    print(f"== fast tier, state {size}: the training run", flush=True)
+    started = time.perf_counter()
+    saves = prepare(scratch, size, timeout)
+    print(f"   {time.perf_counter() - started:.0f} s", flush=True)
+    launches: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
+    for r in range(1, repeats + 1):
+        for row in ROWS if r % 2 else ROWS[::-1]:
+            got = recover_once(scratch, row, size, timeout)
+            launches[row].append(got)
+            rec = got["recovery"] or {}
+            print(
+                f"round {r}, {row}: first step at {got['phases']['first step starts']:.2f} s, "
+                f"step {got['resumed_step']} from the {rec.get('tier')} tier "
+                f"({rec.get('ranks_from_peers')} rank(s) from peers), recovery "
+                f"{rec.get('time_s', float('nan')):.2f} s",
+                flush=True,
+            )
+    return {"size": size, "saves": saves, "launches": launches}
+
+
+# --- the figures ------------------------------------------------------------------------------
+
+
+def steps_lost(
+    fast: int, persistent: int, fast_in_flight: float, persistent_in_flight: float
+) -> tuple[float, float]:
+    """Mean steps lost at a failure at a uniformly random step, each tier alone.
+
+    A save started at step ``kC`` counts ``d`` steps later (its time in flight, in steps). A
+    failure ``t`` steps after ``kC`` (``t`` uniform on ``[0, C)``) loses ``t`` steps when
+    ``t >= d``, else ``C + t`` (the step before counts): the mean is
+    ``(1/C)(int_0^d (C + t) dt + int_d^C t dt) = C/2 + d`` for ``d <= C``. With both tiers, the
+    newest counted step of either is resumed: the fast tier's figure (it saves the steps the
+    persistent tier does, or more often)."""
+    return fast / 2 + fast_in_flight, persistent / 2 + persistent_in_flight
+
+
+def _med(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    saves = result["saves"]
+    fast = saves["fast_saves"][1:] or saves["fast_saves"]  # the first allocates the buffers
+    persistent = saves["persistent_saves"][1:] or saves["persistent_saves"]
+    out: dict[str, Any] = {
+        "fast": {
+            k: _med([s.get(k) for s in fast])
+            for k in (
+                "blocking_time_s",
+                "hook_s",
+                "total_time_s",
+                "write_time_s",
+                "replication_time_s",
+                "size_bytes",
+                "copied_bytes",
+            )
+        },
+        "persistent": {
+            k: _med([s.get(k) for s in persistent])
+            for k in ("blocking_time_s", "hook_s", "total_time_s", "write_time_s", "size_bytes")
+        },
+        "fast_parts": {
+            name: _med([s.get("parts", {}).get(name) for s in fast])
+            for name in (
+                "fast save, in all",
+                "report",
+                "dump_checkpoint",
+                "training_state",
+                "writer.save",
+                "after writer.save",
+            )
+        },
+        "first_fast": saves["fast_saves"][0] if saves["fast_saves"] else None,
+        "first_persistent": saves["persistent_saves"][0] if saves["persistent_saves"] else None,
+        "n_fast": len(fast),
+        "n_persistent": len(persistent),
+        "step_s": saves["step_s"],
+        "hook_without_save_s": saves["hook_without_save_s"],
+    }
+    rows = {}
+    for row, launches in result["launches"].items():
+        firsts = [g["phases"]["first step starts"] for g in launches]
+        recs = [g["recovery"] or {} for g in launches]
+        rows[row] = {
+            "first_step_s": statistics.median(firsts),
+            "min_s": min(firsts),
+            "max_s": max(firsts),
+            "n": len(firsts),
+            "phases": {p: statistics.median(g["phases"][p] for g in launches) for p in PHASES},
+            "load_s": statistics.median(
+                g["phases"]["state loaded"] - g["phases"]["model set up"] for g in launches
+            ),
+            "recovery_time_s": _med([r.get("time_s") for r in recs]),
+            "tier": sorted({str(r.get("tier")) for r in recs}),
+            "ranks_from_peers": sorted({r.get("ranks_from_peers") for r in recs}, key=str),
+            "resumed_step": sorted({g["resumed_step"] for g in launches}),
+        }
+    out["rows"] = rows
+    return out
+
+
+def report(result: dict[str, Any], summary: dict[str, Any], machine: str, command: str) -> str:
+    fast, pers = summary["fast"], summary["persistent"]
+    size = result["size"]
+    rows = summary["rows"]
+    base = rows[ROWS[2]]["first_step_s"]
+    lines = [
+        f"### Fast tier: state {size} on {NODES} simulated nodes x {PER_NODE} rank (TP={NODES})",
+        "",
+        machine,
+        "",
+        f"Command: `{command}`. One training run (fast tier every {FAST} steps, R = 1, "
+        f"max_to_keep 2; persistent tier every {PERSIST} steps, async), killed once fast step "
+        f"{KILLED_AT} was complete (persistent step {PERSISTED}); then every recovery row "
+        f"launched {rows[ROWS[0]]['n']} time(s), interleaved, from a copy of what the killed "
+        "job left, its files dropped from the page cache.",
+        "",
+        "#### Recovery: launch -> first resumed step",
+        "",
+        "| resumed from | launch -> first step, s (median) | min\u2013max s | persistent / this | "
+        "model set up, s | state loaded, s | recovery + load, s | persistent / this | "
+        "recovery `time_s` | step | ranks from peers |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base_load = rows[ROWS[2]]["load_s"]
+    for row in ROWS:
+        got = rows[row]
+        ratio = "—" if row == ROWS[2] else f"{base / got['first_step_s']:.2f}"
+        load_ratio = "—" if row == ROWS[2] else f"{base_load / got['load_s']:.2f}"
+        lines.append(
+            f"| {row} | {got['first_step_s']:.2f} | {got['min_s']:.2f}\u2013{got['max_s']:.2f} | "
+            f"{ratio} | {got['phases']['model set up']:.2f} | "
+            f"{got['phases']['state loaded']:.2f} | {got['load_s']:.2f} | {load_ratio} | "
+            f"{_f(got['recovery_time_s'])} | "
+            f"{','.join(map(str, got['resumed_step']))} "
+            f"({'/'.join(got['tier'])}) | {','.join(map(str, got['ranks_from_peers']))} |"
+        )
+    lines += [
+        "",
+        "Phases are seconds since the launch, the slowest rank's: the model set up "
+        "(`on_fit_start`: process group, model, optimizer), the state loaded "
+        "(`on_train_start`: the recovery and the load), the first step starting "
+        "(`on_train_batch_start`); recovery + load: from the model set up to the state "
+        "loaded, per launch; `persistent / this`: above 1, this row is faster. `time_s`: the "
+        "recovery's own record in `fast_tier.jsonl` "
+        "(finding the step together, checking the copies to be read against their seals, "
+        "fetching the missing ones): not the load.",
+        "",
+        "#### Blocking per save (the same run, side by side)",
+        "",
+        "| save | blocking, s (library) | `on_train_batch_end`, s (slowest rank) | "
+        "total, s | write, s | replication, s | bytes per rank | saves |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| fast tier (`fast_blocking_time_s`, rank 0) | {_f(fast['blocking_time_s'], 3)} | "
+        f"{_f(fast['hook_s'], 3)} | {_f(fast['total_time_s'])} | {_f(fast['write_time_s'])} | "
+        f"{_f(fast['replication_time_s'])} | {_f((fast['size_bytes'] or 0) / MiB, 0)} MiB | "
+        f"{summary['n_fast']} |",
+        f"| persistent tier, async (`blocking_time_s`, slowest rank) | "
+        f"{_f(pers['blocking_time_s'], 3)} | {_f(pers['hook_s'], 3)} | "
+        f"{_f(pers['total_time_s'])} | {_f(pers['write_time_s'])} | — | "
+        f"{_f((pers['size_bytes'] or 0) / NODES / MiB, 0)} MiB | {summary['n_persistent']} |",
+    ]
+    if fast["blocking_time_s"] and pers["blocking_time_s"] and fast["hook_s"] and pers["hook_s"]:
+        lines += [
+            "",
+            f"Fast / persistent blocking: {fast['blocking_time_s'] / pers['blocking_time_s']:.2f}"
+            f" (library figures), {fast['hook_s'] / pers['hook_s']:.2f} (the hook's wall "
+            f"time). A step without a save: {_f(summary['step_s'], 3)} s of training, "
+            f"{_f(summary['hook_without_save_s'], 4)} s in the hook. Medians of every save but "
+            "the first of each tier (which allocates its host buffers: fast "
+            f"{_f((summary['first_fast'] or {}).get('blocking_time_s'), 3)} s, persistent "
+            f"{_f((summary['first_persistent'] or {}).get('blocking_time_s'), 3)} s); every "
+            "save in flight was waited for before each save step, outside the figures.",
+            "",
+            "The fast save's time on the training thread, by part (medians, slowest rank, s): "
+            + ", ".join(f"`{k}` {_f(v, 3)}" for k, v in summary["fast_parts"].items())
+            + " (`fast save, in all`: the callback's `_fast_save`, the rest of the hook being "
+            "Lightning's `ModelCheckpoint`; `writer.save`: what `fast_blocking_time_s` counts, "
+            "and the wait for the save before; `after writer.save`: from its return to the "
+            "hook's, the background thread running).",
+        ]
+    step_s = summary["step_s"] or 0.0
+    d_fast = (fast["total_time_s"] or 0.0) / step_s if step_s else 0.0
+    d_pers = (pers["total_time_s"] or 0.0) / step_s if step_s else 0.0
+    lines += [
+        "",
+        "#### Steps lost at a failure (arithmetic)",
+        "",
+        "A failure at a uniformly random step loses, on average, half a cadence plus the save "
+        "in flight: `C/2 + d`, where `d` is the time from a save's start until it counts, in "
+        "steps (a failure during that time falls back to the save before). With both tiers, "
+        "the fast tier's figure (the newest counted step of either is resumed). Here "
+        f"`d` is this run's total save time over its step time ({_f(step_s, 3)} s, a small "
+        f"model on CPU): fast {d_fast:.1f} steps, persistent {d_pers:.1f}; at scale a step "
+        "takes seconds and `d` is a step or two.",
+        "",
+        "| fast / persistent cadence | lost, fast tier (d = 0) | lost, persistent only "
+        "(d = 0) | ratio | lost, fast (this run's d) | lost, persistent (this run's d) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for f, p in CADENCES:
+        lf, lp = steps_lost(f, p, 0.0, 0.0)
+        mf, mp = steps_lost(f, p, d_fast, d_pers)
+        lines.append(f"| {f} / {p} | {lf:.0f} | {lp:.0f} | {lp / lf:.0f}x | {mf:.1f} | {mp:.1f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``--only-fast-tier``: the tables, written to ``--out``."""
+    from lightning_mcore_ckpt.testing import nodes_unavailable
+
+    size = "quick" if args.quick else (args.sizes or "1G")
+    if size not in ("quick", "256M", "1G"):  # 4G: 2 GiB a rank, staged and copied, is too much
+        print(
+            f"python -m benchmarks --only-fast-tier: --sizes {args.sizes}: pass one state, "
+            f"256M or 1G (or --quick)",
+            file=sys.stderr,
+        )
+        return 2
+    why = nodes_unavailable()
+    if why is not None:
+        print(f"python -m benchmarks --only-fast-tier: {why}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(HERE.parent))
+    repeats = 1 if args.quick else args.repeats
+    scratch = Path(args.dir).resolve() / "fast-tier"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    started = time.perf_counter()
+    try:
+        result = measure(scratch, size, repeats, timeout=600 if args.quick else 3600)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    load = os.getloadavg()
+    machine = (
+        f"Measured {now:%Y-%m-%d %H:%M} UTC on `{socket.gethostname()}`: {os.cpu_count()} CPUs "
+        f"(load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end), "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}; "
+        f"every node's directory and the shared one on `{args.dir}`'s disk; gloo on loopback; "
+        f"{time.perf_counter() - started:.0f} s in all."
+    )
+    command = "python -m benchmarks --only-fast-tier " + (
+        "--quick" if args.quick else f"--sizes {size} --repeats {repeats}"
+    )
+    summary = summarise(result)
+    table = report(result, summary, machine, command)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{now:%Y-%m-%d}-{socket.gethostname()}-fast-tier-{size}"
+    (out / f"{stem}.md").write_text(table)
+    raw = {"machine": machine, "command": command, "summary": summary, **result}
+    (out / f"{stem}.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
+    print(table)
+    print(f"results: {out / stem}.md / .json")
+    return 0

@@ -166,6 +166,7 @@ _LONGEST_FIRST = (
     "tests/faults/test_preemption.py",
     "tests/examples/test_examples.py",
     "tests/nodes/test_node_count_resume.py",
+    "tests/nodes/test_fast_tier.py",
     "tests/resume/test_check_resume.py",
     "tests/faults/test_failing_runs.py",
     "tests/faults/test_crash_and_errors.py",

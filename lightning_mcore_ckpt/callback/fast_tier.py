@@ -182,7 +182,7 @@ class FastTierRun:
 
     def _announce(self, found: Recovery, newest: int | None) -> None:
         for why in found.skipped:
-            log.warning("skipped %s", why)
+            log.warning("fast tier: %s", why)
         if found.step is not None:
             log.info(
                 "resuming fast step %d from %s (%d rank(s) from a peer node's copy)",

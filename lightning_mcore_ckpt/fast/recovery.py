@@ -83,7 +83,11 @@ def recover(
     world = dist.get_world_size(group)
     inventories = _gather(files.inventory(root, world), group)
     outcome = Recovery(None, None)
-    for step in _candidates(inventories, newer_than):
+    candidates = _candidates(inventories, newer_than)
+    if not candidates:
+        newer = "" if newer_than is None else f" newer than the persistent tier's step {newer_than}"
+        outcome.skipped.append(f"no node holds a complete fast step{newer}")
+    for step in candidates:
         holders = _holders(inventories, nodes, step, world, replicas)
         checked = _unheld(holders) or _checked_sources(root, step, holders, rank, group)
         problem = checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group)

@@ -35,6 +35,7 @@ import pytest
 import torch
 from _node_dirs import node_local
 
+from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.launch.namespaces import node_storage
 from lightning_mcore_ckpt.testing import run_nodes
 
@@ -132,70 +133,142 @@ def _fast_step(root: Path, node: int) -> Path:
 
 
 def _damage(root: Path, scenario: str, nodes: int) -> None:
-    """Do to the killed job's node directories what ``scenario`` says."""
+    """Do to the killed job's node directories what ``scenario`` says: wipe nodes 0 (and 1);
+    tear rank 2's own file of the newest fast step (on node 1); or flip a byte in it and in its
+    copy on the next node, so that no whole copy is left of that step."""
     if scenario in ("one_wiped", "two_wiped"):
         for node in range(1 if scenario == "one_wiped" else 2):
             shutil.rmtree(node_storage(root / "local", node) / "fast")
             (node_storage(root / "local", node) / "fast").mkdir()
-    elif scenario in ("torn", "flipped"):
-        # Rank 2's own file (node 1) and, with 2 nodes, its copy on node 0 too when the
-        # scenario ends in the persistent tier.
+    elif scenario == "torn":
         target = _fast_step(root, 1) / "state_00002.pt"
-        data = bytearray(target.read_bytes())
-        if scenario == "torn":
-            target.write_bytes(bytes(data[: len(data) // 2]))
-        else:
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    elif scenario == "flipped":
+        for node in (1, 2 % nodes):
+            target = _fast_step(root, node) / "state_00002.pt"
+            data = bytearray(target.read_bytes())
             data[len(data) // 2] ^= 0x01
             target.write_bytes(bytes(data))
 
 
 EXPECTED = {
-    "intact": KILLED_AT,
-    "one_wiped": KILLED_AT,
-    "two_wiped": PERSISTED,
-    "torn": KILLED_AT,
-    "flipped": KILLED_AT,
+    "intact": (KILLED_AT, 0),
+    "one_wiped": (KILLED_AT, PER_NODE),
+    "two_wiped": (PERSISTED, 0),
+    "torn": (KILLED_AT, 1),
+    "flipped": (KILLED_AT - FAST, 0),
 }
+"""Per scenario: the step resumed, and how many ranks read another node's copy."""
+
+# Every pair of (nodes, persistent saves, scenario) values is covered by the CI cells together;
+# the rest of the product runs with -m nodes_extended.
+CI_CELLS = [
+    (2, False, "intact"),
+    (2, False, "one_wiped"),
+    (2, False, "two_wiped"),
+    (2, False, "flipped"),
+    (3, True, "one_wiped"),
+    (3, True, "torn"),
+    (3, True, "intact"),
+]
+EXTENDED_CELLS = [
+    (2, True, "two_wiped"),
+    (2, True, "torn"),
+    (3, False, "flipped"),
+    (3, False, "two_wiped"),
+    (2, True, "intact"),
+]
+CELLS = [pytest.param(*c, id=f"{c[0]}nodes-{'async' if c[1] else 'sync'}-{c[2]}") for c in CI_CELLS]
+CELLS += [
+    pytest.param(
+        *c, id=f"{c[0]}nodes-{'async' if c[1] else 'sync'}-{c[2]}", marks=pytest.mark.nodes_extended
+    )
+    for c in EXTENDED_CELLS
+]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    """An uninterrupted run per node count."""
-    out = {}
-    for nodes in (2,):
-        root = tmp_path_factory.mktemp(f"reference_{nodes}")
-        out[nodes] = _launch(nodes, root, False, None, kill=False)
-    return out
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    """Made once per module, as the cells ask: per node count, the uninterrupted run; per
+    (nodes, async), the killed run's directories."""
+    made: dict[Any, Any] = {}
+
+    def get(key: Any) -> Any:
+        if key not in made:
+            root = tmp_path_factory.mktemp("run")
+            if key[0] == "reference":
+                made[key] = _launch(key[1], root, False, None, kill=False)
+            else:
+                outcomes = _launch(key[1], root, key[2], None, kill=True)
+                assert all(o.exit_code == 0 and o.value is None for o in outcomes), outcomes
+                made[key] = root
+        return made[key]
+
+    return {"get": get}
 
 
-CELLS = [(2, False, "intact"), (2, False, "one_wiped")]
+def _assert_same_run(got: dict[str, Any], ref: dict[str, Any], since: int) -> None:
+    assert got["losses"] == {k: v for k, v in ref["losses"].items() if k >= since}
+    for name in ("weights", "optim"):
+        assert got[name].keys() == ref[name].keys()
+        for key, tensor in got[name].items():
+            assert torch.equal(tensor, ref[name][key]), (name, key)
+
+
+def _recoveries(root: Path) -> list[dict[str, Any]]:
+    lines = (root / "shared" / "ckpt" / "fast_tier.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "recovery"]
 
 
 @pytest.mark.parametrize(("nodes", "async_save", "scenario"), CELLS)
 def test_resumes_exactly_from_what_survives(
-    nodes: int,
-    async_save: bool,
-    scenario: str,
-    reference: dict[int, Any],
-    tmp_path: Path,
+    nodes: int, async_save: bool, scenario: str, runs: dict[str, Any], tmp_path: Path
 ) -> None:
-    killed = tmp_path / "killed"
-    outcomes = _launch(nodes, killed, async_save, None, kill=True)
-    assert all(o.exit_code == 0 and o.value is None for o in outcomes), outcomes
-    ref = reference[nodes]
-    for rank in range(nodes * PER_NODE):
+    ref = runs["get"](("reference", nodes))
+    killed = runs["get"](("killed", nodes, async_save))
+    for rank in range(nodes * PER_NODE):  # the killed run was the uninterrupted one until then
         before = json.loads((killed / "shared" / f"losses_{rank}.json").read_text())
-        assert {int(k): v for k, v in before.items()} == {
-            k: v for k, v in ref[rank]["losses"].items() if k < KILLED_AT
-        }
-    resumed_root = _copy_of(killed, tmp_path / scenario, nodes)
-    _damage(resumed_root, scenario, nodes)
-    resumed = _launch(nodes, resumed_root, async_save, "last", kill=False)
+        want = {k: v for k, v in ref[rank]["losses"].items() if k < KILLED_AT}
+        assert {int(k): v for k, v in before.items()} == want
+    root = _copy_of(killed, tmp_path / scenario, nodes)
+    _damage(root, scenario, nodes)
+    resumed = _launch(nodes, root, async_save, "last", kill=False)
+    step, from_peers = EXPECTED[scenario]
     for rank, got in enumerate(resumed):
-        assert got["resumed"] == EXPECTED[scenario]
-        want = {k: v for k, v in ref[rank]["losses"].items() if k >= EXPECTED[scenario]}
-        assert got["losses"] == want
-        for name in ("weights", "optim"):
-            assert got[name].keys() == ref[rank][name].keys()
-            for key, tensor in got[name].items():
-                assert torch.equal(tensor, ref[rank][name][key]), (rank, name, key)
+        assert got["resumed"] == step, rank
+        _assert_same_run(got, ref[rank], step)
+    recovery = _recoveries(root)[-1]
+    assert recovery["tier"] == ("persistent" if step == PERSISTED else "fast")
+    assert recovery["ranks_from_peers"] == from_peers
+    skipped = " ".join(recovery["skipped"])
+    if scenario == "two_wiped":  # the warning says why the fast tier could not serve
+        assert "no node holds" in skipped, skipped
+    if scenario == "flipped":  # no whole copy of rank 2's files: the older fast step
+        assert f"fast step {KILLED_AT}: " in skipped and "altered" in skipped, skipped
+    if scenario == "torn":  # passed over for the peer's copy, which repaired the node
+        assert files.verify(_fast_step(root, 1), 2) is None
+
+
+def test_a_failed_copy_leaves_the_step_uncounted_and_training_goes_on(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Node 1 cannot keep rank 0's copy of fast step 2 (a directory stands where the file
+    goes): step 2 counts on no node, every rank was told why, the next fast step counts, and
+    the run is the uninterrupted one."""
+    ref = runs["get"](("reference", 2))
+    blocked = node_storage(tmp_path / "local", 1) / "fast" / "fast_step_2" / "state_00000.pt"
+    blocked.mkdir(parents=True)
+    got = _launch(2, tmp_path, False, None, kill=False)
+    for rank in range(2 * PER_NODE):
+        _assert_same_run(got[rank], ref[rank], 0)
+    saves = [
+        json.loads(line)
+        for line in (tmp_path / "shared" / "ckpt" / "fast_tier.jsonl").read_text().splitlines()
+    ]
+    by_step = {r["step"]: r for r in saves if r["kind"] == "fast_save"}
+    assert not by_step[2]["complete"]
+    assert any("keeping rank 0's copy" in e for e in by_step[2]["errors"]), by_step[2]
+    assert all(by_step[s]["complete"] for s in (4, 6))
+    for node in (0, 1):
+        fast = node_storage(tmp_path / "local", node) / "fast"
+        assert not files.is_complete(fast / "fast_step_2")

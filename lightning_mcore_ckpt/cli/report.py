@@ -1,12 +1,16 @@
 """``lightning-mcore-ckpt report`` and ``ls``: a run's steps, read from their ``metadata.json``
-(no checkpoint data is loaded): what every save cost (``report``), what each step holds (``ls``)."""
+(no checkpoint data is loaded): what every save cost (``report``), what each step holds (``ls``).
+With a fast tier, ``report`` also lists its saves and the recoveries, from the records rank 0
+appends to ``<dirpath>/fast_tier.jsonl``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import json
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +19,21 @@ from typing import Any
 from lightning_mcore_ckpt.cli.failure import fail
 from lightning_mcore_ckpt.format import layout, markers
 
-__all__ = ["Report", "add_parsers", "collect", "format_table", "human_bytes", "plot"]
+__all__ = [
+    "FastTierRecords",
+    "Report",
+    "add_parsers",
+    "collect",
+    "fast_tier_records",
+    "format_fast_tier",
+    "format_table",
+    "human_bytes",
+    "plot",
+]
+
+FAST_TIER_RECORDS = "fast_tier.jsonl"
+"""The fast tier's record of its saves and recoveries in a run's directory (written by rank 0:
+``callback/fast_tier.py``)."""
 
 _LAYOUT_KEYS = (
     ("tp", "tensor_model_parallel_size"),
@@ -39,6 +57,56 @@ class Report:
     """The step ``ckpt_path="last"`` resumes from."""
     damaged: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     """Complete steps with missing or truncated files, and what is wrong with each."""
+    fast: FastTierRecords | None = None
+    """The fast tier's saves and recoveries (``None``: the run has no ``fast_tier.jsonl``)."""
+
+
+@dataclass
+class FastTierRecords:
+    """The lines of a run's ``fast_tier.jsonl``, in the order they were written."""
+
+    saves: list[dict[str, Any]]
+    """``{"kind": "fast_save", ...}``: each fast save, complete or not."""
+    recoveries: list[dict[str, Any]]
+    """``{"kind": "recovery", ...}``: each ``ckpt_path="last"`` resume, and what served it."""
+    malformed: list[int] = dataclasses.field(default_factory=list)
+    """The numbers (from 1) of the lines that are not such a record, and were skipped."""
+
+
+def fast_tier_records(dirpath: str | os.PathLike[str]) -> FastTierRecords | None:
+    """The fast tier's records in ``dirpath`` (``None``: it has none). A line that is not a
+    record (torn by a crash, edited) is skipped and its number kept in ``malformed``.
+
+    Example::
+
+        fast = fast_tier_records("checkpoints/run")
+        failed = [s["step"] for s in fast.saves if not s["complete"]] if fast else []
+    """
+    try:
+        text = (Path(dirpath) / FAST_TIER_RECORDS).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    out = FastTierRecords(saves=[], recoveries=[])
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            out.malformed.append(number)
+        elif record.get("kind") == "fast_save" and _is_step(record.get("step")):
+            out.saves.append(record)
+        elif record.get("kind") == "recovery":
+            out.recoveries.append(record)
+        else:
+            out.malformed.append(number)
+    return out
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def collect(dirpath: str | os.PathLike[str]) -> Report:
@@ -71,6 +139,7 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
         incomplete=layout.incomplete_steps(root),
         last=None if last is None else layout.step_number(last),
         damaged=damaged,
+        fast=fast_tier_records(root),
     )
 
 
@@ -171,19 +240,7 @@ def format_table(report: Report) -> str:
         )
     lines = [f"{report.dirpath}: {len(report.complete)} complete step(s)"]
     if rows:
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        numeric = {0, 3, 4, 5, 6}
-
-        def fmt(row: Sequence[str]) -> str:
-            cells = [
-                cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
-                for i, cell in enumerate(row)
-            ]
-            return "  ".join(cells).rstrip()
-
-        lines.append(fmt(header))
-        lines.append("  ".join("-" * w for w in widths))
-        lines.extend(fmt(r) for r in rows)
+        lines.extend(_table(header, rows, numeric={0, 3, 4, 5, 6}))
         if report.last is not None:
             lines.append('* "last": what trainer.fit(ckpt_path="last") resumes from')
         by: dict[str, list[str]] = {}
@@ -201,7 +258,108 @@ def format_table(report: Report) -> str:
     if report.incomplete:
         names = ", ".join(s.path.name for s in report.incomplete)
         lines.append(f"incomplete (never committed, not resumable): {names}")
+    if report.fast is not None:
+        lines.append("")
+        lines.extend(format_fast_tier(report.fast))
     return "\n".join(lines)
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]], numeric: set[int]) -> list[str]:
+    """A header, a rule and the rows, in columns (``numeric`` ones right-aligned)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [
+            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+
+
+def _median(saves: list[dict[str, Any]], key: str) -> str:
+    values = [s[key] for s in saves if isinstance(s.get(key), int | float)]
+    return _seconds(statistics.median(values)) if values else "-"
+
+
+def format_fast_tier(fast: FastTierRecords) -> list[str]:
+    """The fast tier's section of the report: a summary, its saves, its recoveries.
+
+    Example::
+
+        print("\n".join(format_fast_tier(fast_tier_records("checkpoints/run"))))
+    """
+    complete = [s for s in fast.saves if s.get("complete") is True]
+    failed = len(fast.saves) - len(complete)
+    lines = [
+        f"fast tier ({FAST_TIER_RECORDS}): {len(fast.saves)} fast save(s), {failed} failed; "
+        f"median of the complete ones: blocking {_median(complete, 'fast_blocking_time_s')} s, "
+        f"total {_median(complete, 'fast_total_time_s')} s, "
+        f"replication {_median(complete, 'fast_replication_time_s')} s"
+    ]
+    if fast.saves:
+        lines.extend(_fast_saves(fast.saves))
+    lines.append(f'{len(fast.recoveries)} recovery(ies) with ckpt_path="last"')
+    if fast.recoveries:
+        lines.extend(_recoveries(fast.recoveries))
+    if fast.malformed:
+        numbers = ", ".join(str(n) for n in fast.malformed)
+        lines.append(
+            f"skipped {len(fast.malformed)} malformed line(s) of {FAST_TIER_RECORDS}: {numbers}"
+        )
+    return lines
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _fast_saves(saves: list[dict[str, Any]]) -> list[str]:
+    # The outcome is last on the line: an error's text is long.
+    header = ("step", "blocking s", "total s", "write s", "replication s", "size", "outcome")
+    rows: list[Sequence[str]] = []
+    for save in saves:
+        errors = _list(save.get("errors"))
+        if save.get("complete") is True:
+            outcome = "complete"
+        else:
+            outcome = f"FAILED: {errors[0]}" if errors else "FAILED"
+        rows.append(
+            (
+                str(save["step"]),
+                _seconds(save.get("fast_blocking_time_s")),
+                _seconds(save.get("fast_total_time_s")),
+                _seconds(save.get("fast_write_time_s")),
+                _seconds(save.get("fast_replication_time_s")),
+                human_bytes(save.get("fast_size_bytes")),
+                outcome,
+            )
+        )
+    return _table(header, rows, numeric={0, 1, 2, 3, 4, 5})
+
+
+def _recoveries(recoveries: list[dict[str, Any]]) -> list[str]:
+    header = ("tier", "step", "ranks from peers", "time s", "skipped")
+    rows: list[Sequence[str]] = []
+    for found in recoveries:
+        tier = str(found.get("tier") or "-")
+        if tier == "fast":
+            step = found.get("step")
+            peers = f"{found.get('ranks_from_peers', '-')} of {found.get('ranks', '-')}"
+        else:  # the persistent tier's step, or none: from scratch
+            step = found.get("persistent_step")
+            peers = "-"
+        rows.append(
+            (
+                tier,
+                "-" if step is None else str(step),
+                peers,
+                _seconds(found.get("time_s")),
+                "; ".join(str(s) for s in _list(found.get("skipped"))) or "-",
+            )
+        )
+    return _table(header, rows, numeric={1, 2, 3})
 
 
 def plot(report: Report, out: str | os.PathLike[str]) -> None:
@@ -263,7 +421,9 @@ def add_parsers(commands: Any) -> None:
         description=(
             "Print a table of the complete steps of a MegatronCheckpoint directory (step, time "
             "of save, contents, size, training-blocked and total save time, throughput, "
-            "parallel layout), then the steps that never committed."
+            "parallel layout), then the steps that never committed. With a fast tier "
+            "(fast_tier.jsonl in the directory): its saves (times, size, failures) and every "
+            "recovery (the tier and step resumed, the ranks read from a peer, what was skipped)."
         ),
     )
     report.add_argument("dirpath", help="the MegatronCheckpoint dirpath (holds global_step_<N>/)")

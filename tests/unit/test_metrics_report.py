@@ -262,3 +262,134 @@ def test_ls_lists_contents_and_exports(run_dir: Path, capsys: pytest.CaptureFixt
         "  global_step_30  incomplete (never committed)",
         "  global_step_40  incomplete (never committed)",
     ]
+
+
+def _fast_save(step: int, complete: bool = True, **figures: Any) -> dict[str, Any]:
+    """A line of ``fast_tier.jsonl`` as ``callback/fast_tier.py`` writes it."""
+    return {
+        "kind": "fast_save",
+        "step": step,
+        "complete": complete,
+        "fast_blocking_time_s": 0.01 * step,
+        "fast_total_time_s": 0.1 * step,
+        "fast_write_time_s": 0.05 * step,
+        "fast_replication_time_s": 0.02 * step,
+        "fast_size_bytes": 3 * 1024 * 1024,
+        "copied_bytes": 3 * 1024 * 1024,
+        "errors": [] if complete else ["rank 3 (node1): keeping rank 1's copy: disk full", "2nd"],
+        **figures,
+    }
+
+
+def _recovery(tier: str, step: int | None, from_peers: int, skipped: list[str]) -> dict[str, Any]:
+    return {
+        "kind": "recovery",
+        "tier": tier,
+        "step": step,
+        "ranks": 4 if tier == "fast" else 0,
+        "ranks_from_peers": from_peers,
+        "skipped": skipped,
+        "time_s": 1.25,
+        "persistent_step": 10,
+    }
+
+
+def _write_records(run: Path, lines: list[Any]) -> None:
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    (run / "fast_tier.jsonl").write_text(text)
+
+
+def test_report_lists_the_fast_tiers_saves_and_recoveries(run_dir: Path) -> None:
+    _write_records(
+        run_dir,
+        [
+            _fast_save(20),
+            _fast_save(40, complete=False),
+            _fast_save(60),
+            _fast_save(80),
+            _recovery("fast", 60, 2, ["fast step 80: no whole copy of rank(s) [1]"]),
+            _recovery("persistent", None, 0, ["fast step 60: no node holds rank(s) [0, 1]"]),
+        ],
+    )
+    result = report.collect(run_dir)
+    assert result.fast is not None
+    assert [s["step"] for s in result.fast.saves] == [20, 40, 60, 80]
+    assert [r["tier"] for r in result.fast.recoveries] == ["fast", "persistent"]
+    assert result.fast.malformed == []
+    lines = report.format_table(result).splitlines()
+    # After the persistent steps' table and its incomplete steps: the fast tier, per tier.
+    start = lines.index("") + 1
+    assert lines[start - 2].startswith("incomplete (never committed")
+    section = lines[start:]
+    # Medians of the complete saves only (20, 60, 80): blocking 0.6, total 6.0, copies 1.2.
+    assert section[0] == (
+        "fast tier (fast_tier.jsonl): 4 fast save(s), 1 failed; median of the complete ones: "
+        "blocking 0.600 s, total 6.000 s, replication 1.200 s"
+    )
+    assert section[1].split() == [
+        "step",
+        "blocking",
+        "s",
+        "total",
+        "s",
+        "write",
+        "s",
+        "replication",
+        "s",
+        "size",
+        "outcome",
+    ]
+    rows = section[3:7]
+    assert rows[0].split() == ["20", "0.200", "2.000", "1.000", "0.400", "3.0", "MiB", "complete"]
+    assert rows[1].split()[:7] == ["40", "0.400", "4.000", "2.000", "0.800", "3.0", "MiB"]
+    assert rows[1].endswith("FAILED: rank 3 (node1): keeping rank 1's copy: disk full")  # first
+    assert [r.split()[0] for r in rows[2:]] == ["60", "80"]
+    assert section[7] == '2 recovery(ies) with ckpt_path="last"'
+    assert section[8].split() == ["tier", "step", "ranks", "from", "peers", "time", "s", "skipped"]
+    assert section[10].split()[:6] == ["fast", "60", "2", "of", "4", "1.250"]
+    assert section[10].endswith("fast step 80: no whole copy of rank(s) [1]")
+    # A resume from the persistent tier names the persistent step it read.
+    assert section[11].split()[:4] == ["persistent", "10", "-", "1.250"]
+    assert section[11].endswith("fast step 60: no node holds rank(s) [0, 1]")
+    assert len(section) == 12
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"kind": "fast_save", "step": 6',  # torn by a crash mid-append
+        "not json at all",
+        "[1, 2, 3]",  # JSON, not a record
+        '{"kind": "upload", "step": 6}',  # a kind the report does not know
+        '{"kind": "fast_save", "step": "six"}',  # no step number
+        '{"kind": "fast_save"}',
+    ],
+)
+def test_a_malformed_fast_tier_line_is_skipped_and_named(
+    run_dir: Path, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_records(run_dir, [_fast_save(20), bad, "", _recovery("fast", 20, 0, [])])
+    result = report.collect(run_dir)
+    assert result.fast is not None
+    assert [s["step"] for s in result.fast.saves] == [20]
+    assert len(result.fast.recoveries) == 1
+    assert result.fast.malformed == [2]  # the blank line 3 is no record, and no mistake
+    assert cli_main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "skipped 1 malformed line(s) of fast_tier.jsonl: 2"
+    assert "1 fast save(s), 0 failed" in "\n".join(out)
+    assert out[-2].split()[:6] == ["fast", "20", "0", "of", "4", "1.250"]
+
+
+def test_a_report_without_fast_tier_records_has_no_fast_tier_section(run_dir: Path) -> None:
+    result = report.collect(run_dir)
+    assert result.fast is None
+    assert "fast tier" not in report.format_table(result)
+    # An empty record (a run that configured the tier and never saved in it) says so.
+    _write_records(run_dir, [])
+    section = report.format_table(report.collect(run_dir)).split("\n\n", 1)[1].splitlines()
+    assert section == [
+        "fast tier (fast_tier.jsonl): 0 fast save(s), 0 failed; median of the complete ones: "
+        "blocking - s, total - s, replication - s",
+        '0 recovery(ies) with ckpt_path="last"',
+    ]

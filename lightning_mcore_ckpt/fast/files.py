@@ -92,10 +92,10 @@ def write_seal(step: Path, rank: int, world_size: int, files: dict[str, tuple[in
     return text
 
 
-def parse_seal(text: bytes) -> dict[str, Any] | None:
+def parse_seal(text: bytes | bytearray | memoryview) -> dict[str, Any] | None:
     """A seal's record, or ``None`` when it is torn or altered."""
     try:
-        record = json.loads(text)
+        record = json.loads(bytes(text))
     except ValueError:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("files"), dict):

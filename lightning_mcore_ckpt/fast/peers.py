@@ -14,6 +14,7 @@ writes the seal: a copy torn on the way never counts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ from lightning_mcore_ckpt.storage import atomic as _atomic
 __all__ = ["Bundle", "NodeMap", "exchange", "receive", "send"]
 
 _MAX_FILES = 8
+
+Data = bytes | bytearray | memoryview
+"""A file's bytes, held once: read into a ``bytearray``, received as a view of the tensor."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,8 @@ class NodeMap:
 class Bundle:
     """A rank's files of one step, as sent: its seal, then each file it names."""
 
-    seal: bytes
-    contents: list[bytes]
+    seal: Data
+    contents: list[Data]
 
     @classmethod
     def read(cls, step: Path, rank: int) -> Bundle:
@@ -85,7 +89,7 @@ class Bundle:
         record = files.parse_seal(seal)
         if record is None:
             raise ValueError(f"{step / files.seal_name(rank)} is torn or altered")
-        return cls(seal, [(step / name).read_bytes() for name in record["files"]])
+        return cls(seal, [_read(step / name) for name in record["files"]])
 
     def write(self, step: Path, rank: int) -> int:
         """Write the files into ``step`` (this node), checked against the seal, then the seal;
@@ -106,10 +110,25 @@ class Bundle:
         return len(self.seal) + sum(len(d) for d in self.contents)
 
 
-def _as_tensor(data: bytes) -> torch.Tensor:
-    if not data:
+def _read(path: Path) -> bytearray:
+    """A file's bytes, read once into memory a tensor can be sent from without a copy."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        view = memoryview(data)
+        done = 0
+        while done < len(data):
+            read = f.readinto(view[done:])
+            if not read:
+                raise OSError(f"{path} ended after {done} of {len(data)} bytes")
+            done += read
+    return data
+
+
+def _as_tensor(data: Data) -> torch.Tensor:
+    if not len(data):
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)  # the seal: small
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _header(bundle: Bundle | None) -> torch.Tensor:
@@ -154,8 +173,9 @@ def exchange(
     return out
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.numpy().tobytes()
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The received bytes, without a copy (the view keeps the tensor's memory)."""
+    return memoryview(tensor.numpy())
 
 
 def _run(ops: list[Any]) -> None:

@@ -84,9 +84,9 @@ def recover(
     inventories = _gather(files.inventory(root, world), group)
     outcome = Recovery(None, None)
     candidates = _candidates(inventories, newer_than)
-    if not candidates:
-        newer = "" if newer_than is None else f" newer than the persistent tier's step {newer_than}"
-        outcome.skipped.append(f"no node holds a complete fast step{newer}")
+    if newer_than is not None and not any(inventories):
+        # A persistent step, and no fast step anywhere: every node's directory was lost.
+        outcome.skipped.append("no node holds any fast step (their directories are empty)")
     for step in candidates:
         holders = _holders(inventories, nodes, step, world, replicas)
         checked = _unheld(holders) or _checked_sources(root, step, holders, rank, group)

@@ -126,7 +126,7 @@ def hash_file(path: str | os.PathLike[str]) -> str:
     return _digest(hasher)
 
 
-def hash_bytes(data: bytes | memoryview) -> str:
+def hash_bytes(data: bytes | bytearray | memoryview) -> str:
     """The digest of ``data`` (as :func:`hash_file` of a file holding it)."""
     hasher = _new()
     hasher.update(data)

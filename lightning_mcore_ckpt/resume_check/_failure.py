@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobFailure", "describe_failure", "job_failure", "record_failure"]
+__all__ = [
+    "JobFailure",
+    "JobMisfit",
+    "describe_failure",
+    "job_failure",
+    "misfit",
+    "record_failure",
+]
 
 
 @dataclass
@@ -62,6 +69,12 @@ def describe_failure(failure: JobFailure) -> list[str]:
     return lines
 
 
+class JobMisfit(ValueError):
+    """The job does not fit the check's arguments (found as a rank builds it, before it trains):
+    :func:`~._run.check_resume` raises it as the ``ValueError`` of a bad argument, not as a
+    failure of the job."""
+
+
 _LIBRARIES = tuple(
     {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
@@ -86,12 +99,25 @@ def record_failure(probe_dir: Path, rank: int, err: BaseException) -> None:
         "exception": f"{type(err).__name__}: {message}" if message else type(err).__name__,
         "where": _user_frame(err.__traceback__),
         "traceback": "".join(traceback.format_exception(err)),
+        "misfit": isinstance(err, JobMisfit),
     }
     try:
         probe_dir.mkdir(parents=True, exist_ok=True)
         (probe_dir / _FAILED_FILE.format(rank=rank)).write_text(json.dumps(record))
     except OSError:  # the failure is still reported, from what the launcher saw
         pass
+
+
+def misfit(probe_dir: Path) -> str | None:
+    """The message of a :class:`JobMisfit` a rank of the run raised, else ``None``."""
+    for path in sorted(probe_dir.glob("failed_rank_*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("misfit"):
+            return str(record["exception"]).split(": ", 1)[-1]
+    return None
 
 
 def job_failure(run: str, probe_dir: Path, err: BaseException) -> JobFailure:

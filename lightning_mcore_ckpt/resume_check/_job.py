@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning_mcore_ckpt.resume_check._failure import JobMisfit
 
 __all__ = ["ConfigInfo", "ResumeJob", "read_config", "run_job"]
 
@@ -15,11 +18,15 @@ _CLI_EXTRA = "pip install 'lightning-mcore-ckpt[cli]'"
 
 @dataclass
 class ConfigInfo:
-    """What the parent process needs from a config: its text, world size and ``max_steps``."""
+    """What the parent process needs from a config: its text, world size (``trainer.devices``
+    x ``num_nodes``), ``max_steps``, its number of nodes and whether its checkpoint callback has
+    a fast tier."""
 
     text: str
     world_size: int
     max_steps: int | None
+    nodes: int = 1
+    fast_tier: bool = False
 
 
 @dataclass
@@ -82,19 +89,39 @@ def read_config(path: str | os.PathLike[str]) -> ConfigInfo:
     nodes = trainer.get("num_nodes", 1)
     if isinstance(devices, list):
         devices = len(devices)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1 or nodes != 1:
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (devices, nodes)):
         raise ValueError(
             f"--config {path}: trainer.devices={devices!r}, num_nodes={nodes!r}; the resume "
-            "check runs on this machine: set trainer.devices to a number of processes and "
-            "num_nodes to 1"
+            "check runs on this machine, on simulated nodes when num_nodes (or --nodes) is "
+            "above 1: set trainer.devices to a number of processes per node and num_nodes to "
+            "a number of nodes"
         )
     max_steps = trainer.get("max_steps")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         max_steps = None
-    return ConfigInfo(text=text, world_size=devices, max_steps=max_steps)
+    return ConfigInfo(
+        text=text,
+        world_size=devices * nodes,
+        max_steps=max_steps,
+        nodes=nodes,
+        fast_tier=_has_fast_tier(trainer.get("callbacks")),
+    )
 
 
-def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
+def _has_fast_tier(callbacks: Any) -> bool:
+    """Whether a config's ``trainer.callbacks`` hold a MegatronCheckpoint with a fast tier."""
+    if isinstance(callbacks, dict):
+        callbacks = [callbacks]
+    for callback in callbacks if isinstance(callbacks, list) else []:
+        if not isinstance(callback, dict):
+            continue
+        if str(callback.get("class_path", "")).endswith("MegatronCheckpoint"):
+            if (callback.get("init_args") or {}).get("fast_tier") is not None:
+                return True
+    return False
+
+
+def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int, nodes: int) -> Any:
     import yaml
     from lightning.pytorch.cli import LightningCLI
 
@@ -104,6 +131,9 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     data.pop("ckpt_path", None)  # the check chooses where each run starts
     trainer = dict(data.get("trainer") or {})
     trainer["max_steps"] = max_steps
+    # The check's split of the processes into nodes (--nodes, default the config's own).
+    total = _processes(trainer)
+    trainer["num_nodes"], trainer["devices"] = nodes, total // nodes
     trainer["logger"] = False  # runs of the check do not add to the job's own logs
     trainer["enable_model_summary"] = False  # nor a model summary per run to the report
     trainer["default_root_dir"] = str(run_dir)
@@ -127,22 +157,45 @@ def _from_config(source: dict[str, Any], run_dir: Path, max_steps: int) -> Any:
     return ResumeJob(cli.trainer, cli.model, datamodule=cli.datamodule)
 
 
+def _processes(trainer: dict[str, Any]) -> int:
+    devices = trainer.get("devices", 1)
+    devices = len(devices) if isinstance(devices, list) else devices
+    return int(devices) * int(trainer.get("num_nodes", 1))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the check puts one run's checkpoints: the persistent tier's directory (shared by
+    every node), the fast tier's directory (each node's own: ``node_dir`` of
+    :func:`~lightning_mcore_ckpt.testing.run_nodes`), the number of nodes, and whether the job
+    must have a fast tier (``how="wipe-node"``)."""
+
+    ckpt_dir: Path
+    fast_dir: Path
+    nodes: int = 1
+    needs_fast_tier: bool = False
+
+
 def run_job(
     source: Any,
     run_dir: Path,
-    ckpt_dir: Path,
+    place: Placement,
     max_steps: int,
     ckpt_path: str | None,
     how: str | None,
     stop_at: int,
 ) -> None:
-    """Build the job on this rank, point its checkpoints at ``ckpt_dir``, probe it and fit it."""
+    """Build the job on this rank, point its checkpoints (both tiers) where ``place`` says,
+    probe it and fit it."""
     from lightning_mcore_ckpt.callback import MegatronCheckpoint
     from lightning_mcore_ckpt.resume_check._probe import ResumeProbe
     from lightning_mcore_ckpt.strategy import MegatronStrategy
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = _from_config(source, run_dir, max_steps) if isinstance(source, dict) else source()
+    if isinstance(source, dict):
+        job = _from_config(source, run_dir, max_steps, place.nodes)
+    else:
+        job = source()
     if not isinstance(job, ResumeJob):
         raise TypeError(
             f"check_resume: build() returned {type(job).__name__}; return "
@@ -160,7 +213,29 @@ def run_job(
             f"check_resume: the job's Trainer has {len(ckpts)} MegatronCheckpoint callbacks; "
             "it needs exactly one (the one whose steps are resumed)"
         )
-    ckpts[0].dirpath = ckpt_dir
+    if trainer.num_nodes != place.nodes:
+        raise JobMisfit(
+            f"check_resume(nodes={place.nodes}): the job's Trainer has num_nodes="
+            f"{trainer.num_nodes}; build it with Trainer(num_nodes={place.nodes}, devices="
+            f"{trainer.world_size // place.nodes}), as on a cluster of {place.nodes} nodes, or "
+            f"pass nodes={trainer.num_nodes}"
+        )
+    checkpoint = ckpts[0]
+    fast = checkpoint.config.fast_tier
+    if fast is None and place.needs_fast_tier:
+        raise JobMisfit(
+            "check_resume(how='wipe-node'): the job's MegatronCheckpoint has no fast tier, so "
+            "there is no fast step to resume from a peer's copy; give it MegatronCheckpoint(..., "
+            "fast_tier=FastTier(dir, every_n_train_steps=..., replicas=1)), or drop 'wipe-node' "
+            "from how"
+        )
+    checkpoint.dirpath = ckpt_dir
+    if fast is not None:
+        # As the persistent tier's directory: one of the run's own, here on each node's own
+        # disk (the job's own fast-tier directory is never touched).
+        checkpoint.config = dataclasses.replace(
+            checkpoint.config, fast_tier=dataclasses.replace(fast, dir=str(place.fast_dir))
+        )
     trainer.fit_loop.epoch_loop.max_steps = max_steps
     # Before the checkpoint callback: a stop it asks for is seen by the save of the same batch.
     position = trainer.callbacks.index(ckpts[0])

@@ -20,7 +20,8 @@ It also interrupts the run at ``stop_at`` when asked to (``how``):
 ``EarlyStopping`` or a user's own stop would); ``"sigterm"`` sends SIGTERM to the last rank at the
 first batch of step ``stop_at`` (inside the accumulation window when there is one);
 ``"kill"`` SIGKILLs every rank at the start of the batch after step ``stop_at``, once every save
-started so far is committed. The probe must run before the checkpoint callback (it is inserted
+started so far is committed (the fast tier's too, when the job has one); ``"wipe-node"`` is the
+same kill (the check then empties one node's directory before the resume). The probe must run before the checkpoint callback (it is inserted
 before it), so that a stop it asks for is seen by the save of the same batch.
 """
 
@@ -44,7 +45,9 @@ from lightning_mcore_ckpt import _cpu
 
 __all__ = ["ResumeProbe", "digest", "rng_digests", "sample_fingerprints"]
 
-HOWS = ("clean", "sigterm", "kill", "max_steps")
+HOWS = ("clean", "sigterm", "kill", "max_steps", "wipe-node")
+KILLS = ("kill", "wipe-node")
+"""The interruptions that SIGKILL every rank once step ``stop_at`` is done and saved."""
 
 
 def _feed(h: Any, obj: Any) -> None:
@@ -253,7 +256,7 @@ class ResumeProbe(pl.Callback):
             return
         if self.how == "clean":
             trainer.should_stop = True
-        elif self.how == "kill":
+        elif self.how in KILLS:
             self._kill_next = True  # after the checkpoint callback has seen this step
 
     @override
@@ -280,8 +283,9 @@ class ResumeProbe(pl.Callback):
     # --- interruption ---------------------------------------------------------------------
 
     def _kill(self, trainer: pl.Trainer) -> None:
-        # Every save started so far is committed first, so the resume point is known; then every
-        # rank dies at the same point, as a node loss would take the whole job.
+        # Every save started so far is committed first (the fast tier's copies on peer nodes
+        # too), so the resume point is known; then every rank dies at the same point, as a node
+        # loss would take the whole job.
         from lightning_mcore_ckpt.callback import MegatronCheckpoint
         from lightning_mcore_ckpt.strategy import MegatronStrategy
 
@@ -291,6 +295,8 @@ class ResumeProbe(pl.Callback):
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, MegatronCheckpoint):
                 callback._log_commits(trainer, wait=True)
+                if callback._fast is not None:  # collective: every rank waits for its copies
+                    callback._fast.report(wait=True)
         (self.probe_dir / f"killed_rank_{trainer.global_rank:05d}").touch()
         strategy.barrier("resume-check-kill")
         os.kill(os.getpid(), signal.SIGKILL)

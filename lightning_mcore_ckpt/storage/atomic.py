@@ -97,7 +97,7 @@ def write_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) 
     fsync_dir(target.parent)
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+def write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview) -> None:
     """:func:`write_with` of ``data``."""
     write_with(path, lambda f: f.write(data))
 

@@ -58,6 +58,7 @@ def _job(
     async_save: bool,
     ckpt_path: str | None,
     kill: bool,
+    keep: int,
 ) -> dict[str, Any]:
     """Train to :data:`END` (or be killed after :data:`KILLED_AT`): losses by step, the
     gathered weights and optimizer state at the end, and the step resumed."""
@@ -84,7 +85,7 @@ def _job(
     checkpoint = MegatronCheckpoint(
         f"{shared}/ckpt",
         every_n_train_steps=PERSIST,
-        fast_tier=FastTier(fast_dir, every_n_train_steps=FAST, replicas=1),
+        fast_tier=FastTier(fast_dir, every_n_train_steps=FAST, replicas=1, max_to_keep=keep),
     )
     trainer = make_trainer(
         END,
@@ -103,7 +104,9 @@ def _job(
     }
 
 
-def _launch(nodes: int, root: Path, async_save: bool, ckpt_path: str | None, kill: bool) -> Any:
+def _launch(
+    nodes: int, root: Path, async_save: bool, ckpt_path: str | None, kill: bool, keep: int = 2
+) -> Any:
     local = node_local(root / "local")
     return run_nodes(
         _job,
@@ -115,6 +118,7 @@ def _launch(nodes: int, root: Path, async_save: bool, ckpt_path: str | None, kil
         async_save,
         ckpt_path,
         kill,
+        keep,
         node_dir=local,
         timeout=600,
         outcomes=kill,
@@ -258,7 +262,7 @@ def test_a_failed_copy_leaves_the_step_uncounted_and_training_goes_on(
     ref = runs["get"](("reference", 2))
     blocked = node_storage(tmp_path / "local", 1) / "fast" / "fast_step_2" / "state_00000.pt"
     blocked.mkdir(parents=True)
-    got = _launch(2, tmp_path, False, None, kill=False)
+    got = _launch(2, tmp_path, False, None, kill=False, keep=END)  # every fast step kept
     for rank in range(2 * PER_NODE):
         _assert_same_run(got[rank], ref[rank], 0)
     saves = [
@@ -272,3 +276,4 @@ def test_a_failed_copy_leaves_the_step_uncounted_and_training_goes_on(
     for node in (0, 1):
         fast = node_storage(tmp_path / "local", node) / "fast"
         assert not files.is_complete(fast / "fast_step_2")
+        assert all(files.is_complete(fast / f"fast_step_{s}") for s in (4, 6, 8))

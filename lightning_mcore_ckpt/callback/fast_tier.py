@@ -171,7 +171,13 @@ class FastTierRun:
             newest = box[0]
         writer = self.writer
         self.recovery = found = recover(
-            writer.root, writer.nodes, state.rank, self.config.replicas, newest, writer.group
+            writer.root,
+            writer.nodes,
+            state.rank,
+            self.config.replicas,
+            newest,
+            writer.group,
+            dict(state.parallel_layout),
         )
         if state.rank == 0:
             self._announce(found, newest)

@@ -78,12 +78,20 @@ def seal_name(rank: int) -> str:
     return f"seal_{rank:05d}.json"
 
 
-def write_seal(step: Path, rank: int, world_size: int, files: dict[str, tuple[int, str]]) -> bytes:
-    """Seal rank ``rank``'s ``files`` (name -> size, digest) in ``step``; the seal's bytes."""
+def write_seal(
+    step: Path,
+    rank: int,
+    world_size: int,
+    files: dict[str, tuple[int, str]],
+    layout: dict[str, int] | None = None,
+) -> bytes:
+    """Seal rank ``rank``'s ``files`` (name -> size, digest) in ``step``, saved in ``layout``
+    (the run's parallel sizes); the seal's bytes."""
     record: dict[str, Any] = {
         "step": step_number(step),
         "rank": rank,
         "world_size": world_size,
+        "parallel_layout": layout,
         "files": {name: {"size": size, "digest": digest} for name, (size, digest) in files.items()},
     }
     record[integrity.METADATA_HASH] = integrity.json_digest(record)
@@ -156,14 +164,27 @@ def is_complete(step: Path) -> bool:
     return True
 
 
-def inventory(root: Path, world_size: int) -> dict[int, dict[str, Any]]:
-    """What this node holds: per fast step, whether it is marked complete and whose files it
-    holds (sealed, at their sizes)."""
+def inventory(
+    root: Path, world_size: int, layout: dict[str, int] | None = None
+) -> dict[int, dict[str, Any]]:
+    """What this node holds: per fast step, whether it is marked complete, whose files it holds
+    (sealed, at their sizes), and whether any of them was saved in another world size or
+    parallel ``layout`` than this run's (``foreign``: such a step cannot be resumed here)."""
     out: dict[int, dict[str, Any]] = {}
     for step in steps(root):
         path = step_dir(root, step)
-        held = [r for r in range(world_size) if present(path, r)]
-        out[step] = {"complete": is_complete(path), "held": held}
+        held, foreign = [], False
+        for name in sorted(path.glob("seal_*.json")):
+            record = read_seal(path, int(name.stem.split("_")[1]))
+            if record is None or not present(path, record["rank"]):
+                continue
+            same = record.get("world_size") == world_size and (
+                layout is None or record.get("parallel_layout") == layout
+            )
+            foreign = foreign or not same
+            if same:
+                held.append(record["rank"])
+        out[step] = {"complete": is_complete(path), "held": held, "foreign": foreign}
     return out
 
 

@@ -68,20 +68,34 @@ class Recovery:
         }
 
 
+def _world(group: Any) -> int:
+    distributed = dist.is_available() and dist.is_initialized()
+    return dist.get_world_size(group) if distributed else 1
+
+
 def _gather(value: Any, group: Any) -> list[Any]:
+    if _world(group) == 1:
+        return [value]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
 
 
 def recover(
-    root: Path, nodes: NodeMap, rank: int, replicas: int, newer_than: int | None, group: Any
+    root: Path,
+    nodes: NodeMap,
+    rank: int,
+    replicas: int,
+    newer_than: int | None,
+    group: Any,
+    layout: dict[str, int] | None = None,
 ) -> Recovery:
     """Find, check and fetch the fast step to resume (see the module). ``newer_than``: the
-    persistent tier's last step (``None``: it has none). Collective over ``group``."""
+    persistent tier's last step (``None``: it has none); ``layout``: this run's parallel sizes
+    (a step saved in others is not resumed). Collective over ``group``."""
     started = time.perf_counter()
-    world = dist.get_world_size(group)
-    inventories = _gather(files.inventory(root, world), group)
+    world = _world(group)
+    inventories = _gather(files.inventory(root, world, layout), group)
     outcome = Recovery(None, None)
     candidates = _candidates(inventories, newer_than)
     if newer_than is not None and not any(inventories):
@@ -89,7 +103,11 @@ def recover(
         outcome.skipped.append("no node holds any fast step (their directories are empty)")
     for step in candidates:
         holders = _holders(inventories, nodes, step, world, replicas)
-        checked = _unheld(holders) or _checked_sources(root, step, holders, rank, group)
+        checked = (
+            _foreign(inventories, step)
+            or _unheld(holders)
+            or _checked_sources(root, step, holders, rank, group)
+        )
         problem = checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group)
         if problem is not None or isinstance(checked, str):
             outcome.skipped.append(f"fast step {step}: {problem}")
@@ -124,6 +142,15 @@ def _holders(
         order += [n for n in seen_on[owner] if n not in order]
         out[owner] = [seen_on[owner][n] for n in order if n in seen_on[owner]]
     return out
+
+
+def _foreign(inventories: list[dict[int, Any]], step: int) -> str | None:
+    if not any(inv.get(step, {}).get("foreign") for inv in inventories):
+        return None
+    return (
+        "saved in another world size or parallel layout; a fast step resumes only the layout "
+        "that saved it (the persistent tier reshards)"
+    )
 
 
 def _unheld(holders: dict[int, list[int]]) -> str | None:

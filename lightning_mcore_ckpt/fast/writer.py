@@ -104,12 +104,13 @@ class FastWriter:
             (files.step_dir(self.root, step) / files.COMPLETE).unlink(missing_ok=True)
         payload = stage_rank_state(state, self.cache)
         extra = extra_payload(checkpoint, state)
+        layout = dict(state.parallel_layout)
         blocking = time.perf_counter() - started
         future: Future[FastSave] = Future()
 
         def run() -> None:
             try:
-                future.set_result(self._write(step, payload, extra, started, blocking))
+                future.set_result(self._write(step, payload, extra, layout, started, blocking))
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
                 future.set_exception(err)
 
@@ -145,11 +146,12 @@ class FastWriter:
         step: int,
         payload: dict[str, Any],
         extra: dict[str, Any],
+        layout: dict[str, int],
         started: float,
         blocking: float,
     ) -> FastSave:
         directory = files.step_dir(self.root, step)
-        bundle, size, error = self._write_own(directory, payload, extra)
+        bundle, size, error = self._write_own(directory, payload, extra, layout)
         written = time.perf_counter()
         try:
             copied, copy_error = self._copy(directory, bundle)
@@ -175,7 +177,11 @@ class FastWriter:
         )
 
     def _write_own(
-        self, directory: Path, payload: dict[str, Any], extra: dict[str, Any]
+        self,
+        directory: Path,
+        payload: dict[str, Any],
+        extra: dict[str, Any],
+        layout: dict[str, int],
     ) -> tuple[Bundle | None, int, str | None]:
         try:
             state_name, extra_name = files.files_of(self.rank)
@@ -185,7 +191,7 @@ class FastWriter:
                 state_name: write_payload(directory / state_name, payload),
                 extra_name: write_payload(directory / extra_name, extra),
             }
-            files.write_seal(directory, self.rank, self.world_size, written)
+            files.write_seal(directory, self.rank, self.world_size, written, layout)
             bundle = Bundle.read(directory, self.rank) if self.config.replicas else None
             return bundle, sum(size for size, _ in written.values()), None
         except (OSError, ValueError, RuntimeError) as err:
@@ -214,6 +220,8 @@ class FastWriter:
 
     def _agree(self, error: str | None) -> list[str]:
         """Every rank's errors, on every rank."""
+        if self.world_size == 1:
+            return [] if error is None else [error]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, error, group=self.group)
         return [e for e in gathered if e is not None]

@@ -5,16 +5,20 @@
   use torch's AdamW).
 - With ``replicas=1`` there is no other node to hold a copy: refused at setup on every rank,
   naming the argument, the value and the fix, before anything is written.
+- A fast step resumes only the layout that saved it: resumed in another, it is passed over
+  (the reason recorded) for the persistent tier, which reshards.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _fast_tier import resumes_exactly
 
+from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -52,3 +56,52 @@ def test_copies_on_other_nodes_are_refused_on_one_node(tmp_path: Path) -> None:
     assert all(r["step"] == 0 for r in results)
     assert not list((tmp_path / "fast").glob("fast_step_*"))
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("global_step_*"))
+
+
+def _layout_run(rank: int, world_size: int, tmp: str, tp: int, ckpt_path: str | None) -> int:
+    import lightning.pytorch as pl
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    checkpoint = MegatronCheckpoint(
+        f"{tmp}/ckpt",
+        every_n_train_steps=4,
+        save_last=False,
+        restore_dataloader=False,  # the data-parallel size changes with the layout
+        fast_tier=FastTier(f"{tmp}/fast", every_n_train_steps=1, replicas=0),
+    )
+    resumed = []
+
+    class Resumed(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            resumed.append(trainer.global_step)
+
+    trainer = make_trainer(
+        6,
+        MegatronStrategy(tensor_model_parallel_size=tp),
+        world_size,
+        callbacks=[checkpoint, Resumed()],
+        enable_checkpointing=True,
+    )
+    trainer.fit(TinyGPTModule(), train_dataloaders=loader(64), ckpt_path=ckpt_path)
+    return resumed[0]
+
+
+def test_a_fast_step_of_another_layout_is_passed_over_for_the_persistent_tier(
+    tmp_path: Path,
+) -> None:
+    """Saved with DP 2 (fast step 5, persistent step 4), resumed with TP 2: the fast step is
+    skipped, saying why, and the persistent step is resharded into the new layout."""
+    run_distributed(_layout_run, 2, str(tmp_path), 1, None)
+    assert files.is_complete(files.step_dir(tmp_path / "fast", 5))
+    resumed = run_distributed(_layout_run, 2, str(tmp_path), 2, "last")
+    assert resumed == [4, 4]
+    records = (tmp_path / "ckpt" / "fast_tier.jsonl").read_text().splitlines()
+    recovery = [r for r in map(json.loads, records) if r["kind"] == "recovery"][-1]
+    assert recovery["tier"] == "persistent" and recovery["persistent_step"] == 4
+    assert any(
+        why.startswith("fast step 5: saved in another world size or parallel layout")
+        for why in recovery["skipped"]
+    ), recovery

@@ -30,7 +30,8 @@ def add_parsers(commands: Any) -> None:
             'fit(ckpt_path="last"), and compare per-step losses, the samples every rank '
             "received, every RNG stream, weights, optimizer and LR scheduler state and the loop "
             "counters bit for bit. Prints the first divergence. Exit code 0 when everything is "
-            "identical, 1 on a divergence, 2 on bad usage, 3 when a run of the job fails to run "
+            "identical, 1 on a divergence (or a wipe-node resume that did not come from the fast "
+            "tier's peer copies: NOT PROVEN), 2 on bad usage, 3 when a run of the job fails to run "
             "(the report names the run, the rank and the exception: an error of the job, not "
             "a divergence)."
         ),
@@ -47,11 +48,23 @@ def add_parsers(commands: Any) -> None:
     )
     check.add_argument(
         "--how",
-        choices=["clean", "sigterm", "kill", "max_steps"],
+        choices=["clean", "sigterm", "kill", "max_steps", "wipe-node"],
         action="append",
         help="how to interrupt: a clean stop (trainer.should_stop) after the step, SIGTERM, a "
-        "hard kill after the last committed step, or max_steps (a finished run, extended); "
-        "repeat to try several (default: clean, sigterm and kill)",
+        "hard kill after the last committed step (the fast tier's too), max_steps (a finished "
+        "run, extended), or wipe-node: the same kill, then node 1's directory emptied (a "
+        "replaced node), so that the resume must come from the fast tier with a peer node's "
+        "copies (needs --nodes 2 or more and a MegatronCheckpoint fast_tier; a resume from the "
+        "persistent tier is reported NOT PROVEN); repeat to try several (default: clean, "
+        "sigterm and kill)",
+    )
+    check.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="run every run of the check on N simulated nodes of this machine (Linux, as root), "
+        "trainer.devices x num_nodes / N processes each, each node with its own fast-tier "
+        "directory (default: the config's trainer.num_nodes, or 1)",
     )
     check.add_argument(
         "--workdir", help="keep every run's checkpoints and records here (a new directory)"
@@ -91,6 +104,7 @@ def _check_resume(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             stop_at=args.stop_at,
             max_steps=args.max_steps,
             how=tuple(args.how) if args.how else HOWS,
+            nodes=args.nodes,
             workdir=args.workdir,
         )
     except JobFailed as err:  # the job's own error: its verdict, not a divergence

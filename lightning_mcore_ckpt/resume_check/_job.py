@@ -229,7 +229,7 @@ def run_job(
             "fast_tier=FastTier(dir, every_n_train_steps=..., replicas=1)), or drop 'wipe-node' "
             "from how"
         )
-    checkpoint.dirpath = ckpt_dir
+    checkpoint.dirpath = place.ckpt_dir
     if fast is not None:
         # As the persistent tier's directory: one of the run's own, here on each node's own
         # disk (the job's own fast-tier directory is never touched).

@@ -114,6 +114,25 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "used").iterdir()) == ["x"]
 
 
+def test_nodes_and_wipe_node_are_refused_where_they_cannot_run_before_any_run(
+    tmp_path: Path,
+) -> None:
+    build = functools.partial(_jobs.build, layout="1")
+    work = tmp_path / "work"
+    with pytest.raises(ValueError, match=r"nodes=2, world_size=3\).*multiple of 2"):
+        check_resume(build, stop_at=1, max_steps=4, world_size=3, nodes=2, workdir=work)
+    with pytest.raises(ValueError, match=r"nodes=0\): must be a positive int"):
+        check_resume(build, stop_at=1, max_steps=4, nodes=0, workdir=work)
+    for nodes in (None, 1):
+        with pytest.raises(ValueError, match=r"how='wipe-node', nodes=1\).*pass nodes=2"):
+            check_resume(build, stop_at=1, max_steps=4, how="wipe-node", nodes=nodes)
+    # A config says whether it has a fast tier: refused without one, before any run.
+    config = _config(tmp_path, "NarrowGPTModule", 2)
+    with pytest.raises(ValueError, match=r"how='wipe-node'\).*has no MegatronCheckpoint with a "):
+        check_resume(config, stop_at=1, max_steps=4, how="wipe-node", nodes=2, workdir=work)
+    assert not work.exists() or not any(work.iterdir())
+
+
 def _config(tmp_path: Path, model: str, devices: int, **init_args: Any) -> Path:
     """A LightningCLI config (as a user writes one) for the resume check: ``model`` is a class
     of ``_subclass_jobs``."""

@@ -63,7 +63,13 @@ class Report:
 
 @dataclass
 class FastTierRecords:
-    """The lines of a run's ``fast_tier.jsonl``, in the order they were written."""
+    """The lines of a run's ``fast_tier.jsonl``, in the order they were written.
+
+    Example::
+
+        fast = collect("checkpoints/run").fast  # None without a fast tier
+        served = [(r["tier"], r["step"], r["ranks_from_peers"]) for r in fast.recoveries]
+    """
 
     saves: list[dict[str, Any]]
     """``{"kind": "fast_save", ...}``: each fast save, complete or not."""

@@ -393,3 +393,49 @@ def test_a_report_without_fast_tier_records_has_no_fast_tier_section(run_dir: Pa
         "blocking - s, total - s, replication - s",
         '0 recovery(ies) with ckpt_path="last"',
     ]
+
+
+def test_the_report_reads_the_records_the_fast_tier_writes(
+    run_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lines come from the callback's own code (``FastTierRun``, ``FastSave``,
+    ``Recovery``): the report and the writer cannot drift apart."""
+    from types import SimpleNamespace
+
+    from lightning_mcore_ckpt.callback.fast_tier import RECORDS, FastTierRun
+    from lightning_mcore_ckpt.fast import FastTier
+    from lightning_mcore_ckpt.fast.recovery import Recovery
+    from lightning_mcore_ckpt.fast.writer import FastSave
+
+    assert RECORDS == report.FAST_TIER_RECORDS
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[])
+    run = FastTierRun(
+        trainer,  # type: ignore[arg-type]
+        FastTier(run_dir.parent / "fast"),
+        writer=None,  # type: ignore[arg-type]
+        persistent_last=lambda: 10,
+        records=run_dir / RECORDS,
+        persistent=str(run_dir),
+    )
+    run._report(FastSave(20, True, 0.25, 2.0, 1.5, 0.25, 4096, 4096))
+    run._report(FastSave(40, False, 0.5, 3.0, 2.0, 0.5, 4096, 0, ("rank 1 (n1): no room",)))
+    found = Recovery(20, run_dir.parent / "fast" / "fast_step_20", {0: 0, 1: 0}, ["why 40"])
+    found.time_s = 0.75
+    run._append({"kind": "recovery", **found.record(), "persistent_step": 10})
+    result = report.collect(run_dir)
+    assert result.fast is not None and result.fast.malformed == []
+    section = report.format_table(result).split("\n\n", 1)[1].splitlines()
+    assert section[0].startswith("fast tier (fast_tier.jsonl): 2 fast save(s), 1 failed;")
+    assert "blocking 0.250 s, total 2.000 s, replication 0.250 s" in section[0]
+    assert section[3].split() == [
+        "20",
+        "0.250",
+        "2.000",
+        "1.500",
+        "0.250",
+        "4.0",
+        "KiB",
+        "complete",
+    ]
+    assert section[4].endswith("FAILED: rank 1 (n1): no room")
+    assert section[-1].split() == ["fast", "20", "1", "of", "2", "0.750", "why", "40"]

@@ -14,11 +14,18 @@ Trainers on simulated nodes with their own directories, real SIGKILLs, real file
   but the report must not count it as a proof of the fast tier: NOT PROVEN, not exact.
 - A job without a fast tier is refused, naming ``how='wipe-node'`` and the fix, as its first
   run builds it (before it trains).
+- The command line, from a LightningCLI config with ``num_nodes: 2`` and a fast tier (outside CI,
+  ``-m nodes_extended``: the check's whole default, with the determinism run): exact from the
+  fast tier's peer copies, exit code 0, the config's own directories untouched.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +147,54 @@ def test_a_job_without_a_fast_tier_is_refused_for_wipe_node(tmp_path: Path) -> N
         _check(tmp_path, replicas=None)
     # Refused as the reference run built the job: nothing trained.
     assert not list((tmp_path / "work").rglob("rank_*.jsonl"))
+
+
+@pytest.mark.nodes_extended
+def test_the_command_line_proves_a_config_resumes_from_the_fast_tier(tmp_path: Path) -> None:
+    import yaml
+
+    node_local(tmp_path)
+    checkpoint = {
+        "dirpath": str(tmp_path / "job-ckpt"),
+        "every_n_train_steps": PERSIST,
+        "fast_tier": {"dir": str(tmp_path / "job-fast"), "every_n_train_steps": FAST},
+    }
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "num_nodes": NODES,
+            "max_steps": TOTAL,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "strategy": {"class_path": "lightning_mcore_ckpt.MegatronStrategy"},
+            "callbacks": [
+                {"class_path": "lightning_mcore_ckpt.MegatronCheckpoint", "init_args": checkpoint}
+            ],
+        },
+        "model": {"class_path": "lightning_mcore_ckpt.tiny.TinyGPTModule"},
+        "data": {
+            "class_path": "lightning_mcore_ckpt.tiny.TokenDataModule",
+            "init_args": {"num_samples": TOTAL * 2 * BATCH * NODES, "batch_size": BATCH},
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    command = [sys.executable, "-m", "lightning_mcore_ckpt.cli.entry", "check-resume"]
+    done = subprocess.run(
+        [*command, "--config", str(path), "--stop-at", str(STOP), "--how", "wipe-node", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["exact"] and report["nodes"] == NODES and report["world_size"] == NODES
+    (result,) = report["results"]
+    assert result["proven"] and result["resumed_from"] == STOP
+    assert result["recovery"]["tier"] == "fast" and result["recovery"]["ranks_from_peers"] == 1
+    assert not (tmp_path / "job-ckpt").exists() and not (tmp_path / "job-fast").exists()

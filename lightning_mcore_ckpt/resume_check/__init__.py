@@ -1,7 +1,8 @@
 """The resume check: prove that a job resumes exactly before spending a cluster on it.
 
 :func:`check_resume` runs a job uninterrupted and interrupted (a clean stop, SIGTERM, a hard
-kill), resumes it with ``fit(ckpt_path="last")`` and compares, batch by batch and rank by rank,
+kill; on simulated nodes, a kill and a wiped node's directory, which the fast tier's peer copies
+must recover), resumes it with ``fit(ckpt_path="last")`` and compares, batch by batch and rank by rank,
 the losses, the samples received, every RNG stream, weights, optimizer and LR scheduler state and
 the loop counters; :class:`ResumeReport` names the first divergence. A run of the job that
 fails to run is not a divergence: :class:`JobFailed` names the run, the ranks and the exception.

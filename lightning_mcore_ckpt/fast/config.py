@@ -53,7 +53,10 @@ class FastTier:
     """Complete fast steps kept on each node (older ones are deleted once a newer one is
     complete)."""
     timeout_s: float = 600.0
-    """How long a rank waits for its peers while copying a step before the step is given up."""
+    """How long a rank waits for its peers in the fast tier's process group (a copy, the count
+    of a step, a recovery). A copy that times out leaves its step uncounted and stops the fast
+    saves for the rest of the run (the group is no longer usable); the persistent tier goes
+    on."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):

@@ -125,7 +125,7 @@ def present(step: Path, rank: int) -> bool:
     """Whether ``step`` holds rank ``rank``'s files, sealed, at their sealed sizes (cheap: no
     file is read)."""
     record = read_seal(step, rank)
-    if record is None or record.get("rank") != rank:
+    if record is None or record.get("rank") != rank or record.get("step") != step_number(step):
         return False
     try:
         return all((step / n).stat().st_size == f["size"] for n, f in record["files"].items())
@@ -138,6 +138,8 @@ def verify(step: Path, rank: int) -> str | None:
     record = read_seal(step, rank)
     if record is None:
         return f"{step / seal_name(rank)} is missing, torn or altered"
+    if record.get("rank") != rank or record.get("step") != step_number(step):
+        return f"{step / seal_name(rank)} seals another rank's or step's files"
     for name, entry in record["files"].items():
         path = step / name
         try:
@@ -175,8 +177,11 @@ def inventory(
         path = step_dir(root, step)
         held, foreign = [], False
         for name in sorted(path.glob("seal_*.json")):
-            record = read_seal(path, int(name.stem.split("_")[1]))
-            if record is None or not present(path, record["rank"]):
+            number = name.stem.split("_", 1)[1]
+            if not number.isdigit() or not present(path, int(number)):
+                continue  # not a seal of ours, or not whole
+            record = read_seal(path, int(number))
+            if record is None:
                 continue
             same = record.get("world_size") == world_size and (
                 layout is None or record.get("parallel_layout") == layout

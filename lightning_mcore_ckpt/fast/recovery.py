@@ -127,20 +127,25 @@ def _candidates(inventories: list[dict[int, Any]], newer_than: int | None) -> li
 def _holders(
     inventories: list[dict[int, Any]], nodes: NodeMap, step: int, world: int, replicas: int
 ) -> dict[int, list[int]]:
-    """Per rank, the ranks whose node holds its files of ``step``: its own first, then its
-    peers' (one rank per node: the first that lists it)."""
-    seen_on: dict[int, dict[int, int]] = {r: {} for r in range(world)}
+    """Per rank, the ranks whose node holds its files of ``step``, one per node: the rank
+    itself on its own node, then its peers (the ranks it copied to), then any other node's
+    first rank that lists them. Each copy is thus hashed and sent by the rank that received
+    it, and a node's copies are spread over its ranks."""
+    listed: dict[int, dict[int, list[int]]] = {r: {} for r in range(world)}
     for holder, inventory in enumerate(inventories):
         for owner in inventory.get(step, {}).get("held", []):
-            # On the owner's node, the owner reads its own files: nothing moves.
-            mine = holder == owner or nodes.node_of(holder) != nodes.node_of(owner)
-            if mine or nodes.node_of(owner) not in seen_on[owner]:
-                seen_on[owner][nodes.node_of(holder)] = holder if mine else owner
+            listed[owner].setdefault(nodes.node_of(holder), []).append(holder)
     out: dict[int, list[int]] = {}
     for owner in range(world):
-        order = [nodes.node_of(owner)] + [nodes.node_of(p) for p in nodes.peers(owner, replicas)]
-        order += [n for n in seen_on[owner] if n not in order]
-        out[owner] = [seen_on[owner][n] for n in order if n in seen_on[owner]]
+        preferred = [owner, *nodes.peers(owner, replicas)]
+        chosen: dict[int, int] = {}
+        for node, ranks in listed[owner].items():
+            mine = [r for r in preferred if r in ranks]
+            # On the owner's node, the owner reads its own files: nothing moves.
+            chosen[node] = owner if node == nodes.node_of(owner) else (mine or ranks)[0]
+        order = [nodes.node_of(r) for r in preferred]
+        order += sorted(n for n in chosen if n not in order)
+        out[owner] = [chosen[n] for n in order if n in chosen]
     return out
 
 

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FastSave:
-    """How one fast save went, on this rank (``complete`` and ``errors`` are every rank's)."""
+    """How one fast save went, the same on every rank: the slowest rank's times, every rank's
+    bytes and errors."""
 
     step: int
     complete: bool
@@ -57,9 +58,9 @@ class FastSave:
     write_time_s: float
     replication_time_s: float
     size_bytes: int
-    """This rank's files."""
+    """Every rank's files (the step's size on one node's worth of copies)."""
     copied_bytes: int
-    """The copies of other ranks' files this rank received and wrote."""
+    """The copies of other ranks' files received and written, by every rank."""
     errors: tuple[str, ...] = ()
 
     def metrics(self) -> dict[str, float]:
@@ -96,10 +97,10 @@ class FastWriter:
     def save(self, step: int, state: TrainingState, checkpoint: dict[str, Any]) -> None:
         """Stage this rank's state for fast step ``step`` and write it in the background.
         ``checkpoint``: Lightning's checkpoint dict of this step (its loops, callbacks...)."""
+        started = time.perf_counter()  # waiting for the previous save is blocking too
         self.wait()
         if self._broken is not None:
             return
-        started = time.perf_counter()
         if self.nodes.leader(self.rank):  # a step of that number left by an earlier attempt
             (files.step_dir(self.root, step) / files.COMPLETE).unlink(missing_ok=True)
         payload = stage_rank_state(state, self.cache)
@@ -155,26 +156,33 @@ class FastWriter:
         written = time.perf_counter()
         try:
             copied, copy_error = self._copy(directory, bundle)
-            errors = self._agree(error or copy_error)
+            replicated = time.perf_counter()
+            mine = (
+                error or copy_error,
+                (
+                    blocking,
+                    replicated - started,
+                    written - started - blocking,
+                    replicated - written,
+                ),
+                (size, copied),
+            )
+            everyone = self._agree(mine)
         except Exception as err:  # noqa: BLE001 - the process group failed: no more fast saves
             self._broken = f"the fast tier's copies between nodes failed: {err}"
             log.error("%s; fast saves stop for this run (the persistent tier goes on)", err)
             return FastSave(step, False, blocking, 0.0, 0.0, 0.0, size, 0, (self._broken,))
-        replicated = time.perf_counter()
+        errors = [e for e, _, _ in everyone if e is not None]
         if not errors and self.nodes.leader(self.rank):
             files.mark_complete(directory, {"step": step, "world_size": self.world_size})
             self._prune()
-        return FastSave(
-            step=step,
-            complete=not errors,
-            blocking_time_s=blocking,
-            total_time_s=replicated - started,
-            write_time_s=written - started - blocking,
-            replication_time_s=replicated - written,
-            size_bytes=size,
-            copied_bytes=copied,
-            errors=tuple(errors),
+        # The slowest rank's times (the step is saved when the last rank is done); the bytes of
+        # every rank.
+        blocked, total, write, copy = (
+            max(t) for t in zip(*(t for _, t, _ in everyone), strict=True)
         )
+        size, copied = (sum(b) for b in zip(*(b for _, _, b in everyone), strict=True))
+        return FastSave(step, not errors, blocked, total, write, copy, size, copied, tuple(errors))
 
     def _write_own(
         self,
@@ -218,13 +226,13 @@ class FastWriter:
                 )
         return copied, error
 
-    def _agree(self, error: str | None) -> list[str]:
-        """Every rank's errors, on every rank."""
+    def _agree(self, mine: Any) -> list[Any]:
+        """Every rank's outcome (its error, its times, its bytes), on every rank."""
         if self.world_size == 1:
-            return [] if error is None else [error]
+            return [mine]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, error, group=self.group)
-        return [e for e in gathered if e is not None]
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return gathered
 
     def _prune(self) -> None:
         """Keep the newest ``max_to_keep`` complete steps on this node, and nothing older."""

@@ -182,7 +182,7 @@ DAMAGES = {
     "seal missing": (False, False, "is missing, torn or altered"),
     "seal torn": (False, False, "is missing, torn or altered"),
     "seal altered": (False, False, "is missing, torn or altered"),
-    "another rank's seal": (True, False, ""),
+    "another rank's seal": (True, False, "seals another rank's or step's files"),
 }
 
 
@@ -216,13 +216,6 @@ def test_a_copy_counts_only_whole_and_unchanged(
     if verdict is None:
         assert problem is None
     else:
-        if damage == "another rank's seal" and problem is None:
-            request.applymarker(
-                pytest.mark.xfail(
-                    reason="defect: files.verify does not check the seal's rank (present does)",
-                    strict=True,
-                )
-            )
         assert problem is not None and verdict in problem, problem
         if damage.startswith("file") or damage == "byte flipped":
             assert str(step / files.files_of(rank)[which]) in problem  # names the file
@@ -379,6 +372,9 @@ def test_holders_prefer_each_ranks_own_copy_then_its_peers_one_rank_a_node(
         ]
         # A rank of its own node is never counted as a source of another copy.
         assert not [h for h in held if h != owner and found.node_of(h) == found.node_of(owner)]
+        # Each copy is served by the rank that received it: the node's copies are spread over
+        # its ranks, not all sent by one.
+        assert held[1:] == found.peers(owner, replicas)
     assert _unheld(holders) is None
 
 

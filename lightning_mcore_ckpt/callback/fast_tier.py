@@ -199,6 +199,8 @@ class FastTierRun:
         elif found.skipped:
             where = f"persistent step {newest}" if newest is not None else "scratch (no step)"
             log.warning("no fast step can be resumed: resuming from %s", where)
+        elif newest is not None:
+            log.info("resuming persistent step %d: no fast step is newer", newest)
 
     def log_recovery(self) -> None:
         """Log how the resume was served (rank 0, once training runs)."""

@@ -148,7 +148,11 @@ def verify(step: Path, rank: int) -> str | None:
             return f"{path} is missing"
         if size != entry["size"]:
             return f"{path} has {size} bytes, its seal says {entry['size']} (torn)"
-        if integrity.hash_file(path) != entry["digest"]:
+        try:
+            digest = integrity.hash_file(path)
+        except OSError as err:
+            return f"{path} cannot be read: {err}"
+        if digest != entry["digest"]:
             return f"{path} does not match its seal's digest (altered)"
     return None
 

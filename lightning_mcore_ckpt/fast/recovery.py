@@ -95,7 +95,7 @@ def recover(
     (a step saved in others is not resumed). Collective over ``group``."""
     started = time.perf_counter()
     world = _world(group)
-    inventories = _gather(files.inventory(root, world, layout), group)
+    inventories = _gather(_inventory(root, world, layout), group)
     outcome = Recovery(None, None)
     candidates = _candidates(inventories, newer_than)
     if newer_than is not None and not any(inventories):
@@ -117,6 +117,16 @@ def recover(
     _drop_newer(root, nodes, rank, outcome.step, newer_than, inventories)
     outcome.time_s = time.perf_counter() - started
     return outcome
+
+
+def _inventory(root: Path, world: int, layout: dict[str, int] | None) -> dict[int, Any]:
+    """This node's fast steps; none when its directory cannot be read (said, not raised: the
+    other ranks are waiting for this one's list)."""
+    try:
+        return files.inventory(root, world, layout)
+    except OSError as err:
+        log.warning("fast tier: %s cannot be read (%s); this node's copies are not used", root, err)
+        return {}
 
 
 def _candidates(inventories: list[dict[int, Any]], newer_than: int | None) -> list[int]:

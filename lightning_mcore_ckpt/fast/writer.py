@@ -174,8 +174,7 @@ class FastWriter:
             return FastSave(step, False, blocking, 0.0, 0.0, 0.0, size, 0, (self._broken,))
         errors = [e for e, _, _ in everyone if e is not None]
         if not errors and self.nodes.leader(self.rank):
-            files.mark_complete(directory, {"step": step, "world_size": self.world_size})
-            self._prune()
+            self._mark(directory, step)
         # The slowest rank's times (the step is saved when the last rank is done); the bytes of
         # every rank.
         blocked, total, write, copy = (
@@ -233,6 +232,15 @@ class FastWriter:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         return gathered
+
+    def _mark(self, directory: Path, step: int) -> None:
+        """Mark the step complete on this node and prune; a failure here is said, not raised
+        (every rank has counted the step; the other nodes' marks stand for it)."""
+        try:
+            files.mark_complete(directory, {"step": step, "world_size": self.world_size})
+            self._prune()
+        except OSError as err:
+            log.warning("fast step %d: marking or pruning %s failed: %s", step, self.root, err)
 
     def _prune(self) -> None:
         """Keep the newest ``max_to_keep`` complete steps on this node, and nothing older."""

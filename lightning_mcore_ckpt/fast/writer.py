@@ -112,8 +112,11 @@ class FastWriter:
         def run() -> None:
             try:
                 future.set_result(self._write(step, payload, extra, layout, started, blocking))
-            except BaseException as err:  # noqa: BLE001 - handed to the training thread
-                future.set_exception(err)
+            except Exception as err:  # the step fails, training goes on
+                # Out of step with the other ranks' collectives: no more fast saves.
+                self._broken = f"rank {self.rank}: fast step {step} failed unexpectedly: {err!r}"
+                log.exception("%s; fast saves stop for this run", self._broken)
+                future.set_result(FastSave(step, False, blocking, 0, 0, 0, 0, 0, (self._broken,)))
 
         # A daemon thread: a process that fails while its peers are gone is not kept alive by
         # a copy waiting for them (up to timeout_s).

@@ -195,6 +195,42 @@ def _timed_part(
     return timed
 
 
+# Where a resume's time goes: (label, module, attribute) of the functions timed, each one's
+# wall time summed per rank. Private names of the fast tier: one that is gone is left out.
+RECOVERY_PARTS = (
+    ("inventory", "lightning_mcore_ckpt.fast.recovery", "_inventory"),
+    ("check the copies", "lightning_mcore_ckpt.fast.recovery", "_checked_sources"),
+    ("fetch, in all", "lightning_mcore_ckpt.fast.recovery", "_fetch"),
+    ("read a copy to send", "lightning_mcore_ckpt.fast.recovery", "_read"),
+    ("send and receive", "lightning_mcore_ckpt.fast.recovery", "exchange"),
+    ("check and write a fetched copy", "lightning_mcore_ckpt.fast.peers", "Bundle.write"),
+    ("load, in all", "lightning_mcore_ckpt.strategy.strategy", "MegatronStrategy.load_checkpoint"),
+)
+
+
+def _time_recovery(parts: dict[str, float]) -> None:
+    """Wrap each function of :data:`RECOVERY_PARTS` in this rank: its time summed in ``parts``."""
+    import importlib
+
+    for label, module_name, name in RECOVERY_PARTS:
+        owner: Any = importlib.import_module(module_name)
+        *path, attr = name.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            continue
+
+        def timed(*args: Any, _fn: Any = fn, _label: str = label, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                parts[_label] = parts.get(_label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, attr, timed)
+
+
 def _write_marks(cfg: dict[str, Any], rank: int, marks: dict[str, Any]) -> None:
     path = Path(cfg["shared"]) / f"marks_{rank}.json"
     path.write_text(json.dumps(marks, default=str))
@@ -212,6 +248,8 @@ def job(rank: int, world: int, cfg: dict[str, Any]) -> None:
     marks: dict[str, Any] = {}
     prepare = cfg["mode"] == "prepare"
     callbacks = _callbacks(cfg, marks, prepare)
+    if not prepare:
+        _time_recovery(marks.setdefault("recovery_parts", {}))
     trainer = pl.Trainer(
         strategy=MegatronStrategy(tensor_model_parallel_size=world, ckpt_async_save=True),
         accelerator="cpu",
@@ -382,6 +420,10 @@ def recover_once(scratch: Path, row: str, size: str, timeout: float) -> dict[str
         "phases": {p: max(r[p] for r in ranks) for p in PHASES},
         "resumed_step": ranks[0]["resumed_step"],
         "recovery": recoveries[-1] if recoveries else None,
+        "parts": {
+            label: max(r.get("recovery_parts", {}).get(label, 0.0) for r in ranks)
+            for label, _, _ in RECOVERY_PARTS
+        },
     }
 
 
@@ -485,6 +527,10 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
                 g["phases"]["state loaded"] - g["phases"]["model set up"] for g in launches
             ),
             "recovery_time_s": _med([r.get("time_s") for r in recs]),
+            "parts": {
+                label: _med([g.get("parts", {}).get(label) for g in launches])
+                for label, _, _ in RECOVERY_PARTS
+            },
             "tier": sorted({str(r.get("tier")) for r in recs}),
             "ranks_from_peers": sorted({r.get("ranks_from_peers") for r in recs}, key=str),
             "resumed_step": sorted({g["resumed_step"] for g in launches}),
@@ -539,6 +585,18 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         "recovery's own record in `fast_tier.jsonl` "
         "(finding the step together, checking the copies to be read against their seals, "
         "fetching the missing ones): not the load.",
+        "",
+        "Where the recovery and load went (medians of the slower rank's seconds in each "
+        "function, nested ones inside the others; `load, in all` contains the recovery):",
+        "",
+        "| resumed from | " + " | ".join(label for label, _, _ in RECOVERY_PARTS) + " |",
+        "| --- |" + " --- |" * len(RECOVERY_PARTS),
+        *(
+            f"| {row} | "
+            + " | ".join(_f(rows[row]["parts"].get(label)) for label, _, _ in RECOVERY_PARTS)
+            + " |"
+            for row in ROWS
+        ),
         "",
         "#### Blocking per save (the same run, side by side)",
         "",

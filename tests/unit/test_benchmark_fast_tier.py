@@ -83,7 +83,10 @@ def _result() -> dict[str, Any]:
                 _launch(4.0, 2.0, 3.0, "fast", 0),
                 _launch(6.0, 2.0, 3.0, "fast", 0),
             ],
-            fast_tier.ROWS[1]: [_launch(8.0, 2.0, 7.0, "fast", 1)] * 2,
+            fast_tier.ROWS[1]: [
+                {**_launch(8.0, 2.0, 7.0, "fast", 1), "parts": {"check the copies": c}}
+                for c in (1.0, 2.0, 6.0)
+            ],
             fast_tier.ROWS[2]: [_launch(10.0, 2.0, 6.0, "persistent", 0)] * 2,
         },
     }
@@ -99,12 +102,20 @@ def test_the_tables_compare_each_row_with_the_persistent_tier_and_leave_first_sa
     own = summary["rows"][fast_tier.ROWS[0]]
     assert (own["first_step_s"], own["min_s"], own["max_s"], own["load_s"]) == (5.0, 4.0, 6.0, 1.0)
     table = fast_tier.report(result, summary, "machine", "command")
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()}
+    rows: dict[str, list[str]] = {}  # the recovery table's rows: each name's first line
+    for line in table.splitlines():
+        rows.setdefault(line.split(" | ")[0][2:], line.split(" | "))
     # persistent / this: 10 / 5 to the first step, 4 / 1 for the recovery and load.
     assert rows[fast_tier.ROWS[0]][3] == "2.00" and rows[fast_tier.ROWS[0]][7] == "4.00"
     assert rows[fast_tier.ROWS[1]][3] == "1.25" and rows[fast_tier.ROWS[1]][7] == "0.80"
     assert rows[fast_tier.ROWS[2]][3] == "—"
     assert "Fast / persistent blocking: 0.50 (library figures)" in table
+    # Where a recovery went: each function's median over the launches ("—": not timed).
+    labels = [label for label, _, _ in fast_tier.RECOVERY_PARTS]
+    breakdown = "| fast tier, peer copies | " + " | ".join(
+        "2.00" if label == "check the copies" else "—" for label in labels
+    )
+    assert breakdown + " |" in table
     # Steps lost with this run's d: total save time over step time (4 and 2 steps).
     assert "| 20 / 500 | 10 | 250 | 25x | 14.0 | 252.0 |" in table
 

@@ -43,7 +43,6 @@ always does): interpreter start and imports are not in the launch figure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -54,6 +53,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report import machine_line
 
 HERE = Path(__file__).resolve().parent
 MiB = 2**20
@@ -684,14 +685,9 @@ def run(args: argparse.Namespace) -> int:
         result = measure(scratch, size, repeats, timeout=600 if args.quick else 3600)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    load = os.getloadavg()
-    machine = (
-        f"Measured {now:%Y-%m-%d %H:%M} UTC on `{socket.gethostname()}`: {os.cpu_count()} CPUs "
-        f"(load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end), "
-        f"{platform.system()} {platform.release()}, Python {platform.python_version()}; "
-        f"every node's directory and the shared one on `{args.dir}`'s disk; gloo on loopback; "
-        f"{time.perf_counter() - started:.0f} s in all."
+    machine = machine_line(
+        f"Python {platform.python_version()}; every node's directory and the shared one on "
+        f"`{args.dir}`'s disk; gloo on loopback; {time.perf_counter() - started:.0f} s in all."
     )
     command = "python -m benchmarks --only-fast-tier " + (
         "--quick" if args.quick else f"--sizes {size} --repeats {repeats}"
@@ -700,7 +696,7 @@ def run(args: argparse.Namespace) -> int:
     table = report(result, summary, machine, command)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{now:%Y-%m-%d}-{socket.gethostname()}-fast-tier-{size}"
+    stem = f"{time.strftime('%Y-%m-%d', time.gmtime())}-{socket.gethostname()}-fast-tier-{size}"
     (out / f"{stem}.md").write_text(table)
     raw = {"machine": machine, "command": command, "summary": summary, **result}
     (out / f"{stem}.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")

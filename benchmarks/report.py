@@ -4,12 +4,28 @@ measured)."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
+import socket
 from pathlib import Path
 from typing import Any
 
 MiB = 2**20
 
 Check = tuple[str, bool, str]
+
+
+def machine_line(where: str) -> str:
+    """When and where a benchmark measured: the time, the host, its CPUs and load at the end,
+    the system, then ``where`` (its disks and servers)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    load = os.getloadavg()
+    return (
+        f"Measured {now:%Y-%m-%d %H:%M} UTC on `{socket.gethostname()}`: {os.cpu_count()} CPUs "
+        f"(load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end), "
+        f"{platform.system()} {platform.release()}, {where}"
+    )
 
 
 def _mib(value: float | None) -> str:

@@ -23,10 +23,8 @@ server or the machine was the limit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -35,6 +33,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report import machine_line
 
 HERE = Path(__file__).resolve().parent
 MiB = 2**20
@@ -388,18 +388,13 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    load = os.getloadavg()
-    machine = (
-        f"Measured {now:%Y-%m-%d %H:%M} UTC on `{socket.gethostname()}`: {os.cpu_count()} CPUs "
-        f"(load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end), "
-        f"{platform.system()} {platform.release()}, the files on `{args.dir}`'s disk, the S3 "
-        "server on loopback."
-    )
+    machine = machine_line(f"the files on `{args.dir}`'s disk, the S3 server on loopback.")
     table = report(result, machine)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{now:%Y-%m-%d}-{socket.gethostname()}-s3-nodes" + ("-quick" if args.quick else "")
+    stem = f"{time.strftime('%Y-%m-%d', time.gmtime())}-{socket.gethostname()}-s3-nodes" + (
+        "-quick" if args.quick else ""
+    )
     (out / f"{stem}.md").write_text(table)
     (out / f"{stem}.json").write_text(json.dumps({"machine": machine, **result}, indent=2) + "\n")
     print(table)

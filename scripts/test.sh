@@ -19,7 +19,8 @@ mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 # hundreds of interpreters and ranks, and where PYTHONDONTWRITEBYTECODE is set (as in many CI
 # images) each would otherwise compile the package from source again.
 python -m compileall -q -j 0 lightning_mcore_ckpt tests benchmarks examples >/dev/null
-# Two test files at a time (LMC_TEST_WORKERS; 0: one process): most tests wait on their ranks,
-# files and subprocesses more than they compute. A file's tests stay in one worker, so a
-# module's shared runs are made once.
-python -m pytest -n "${LMC_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"
+# Three test files at a time on 2 cores (LMC_TEST_WORKERS; 0: one process): most tests wait on
+# their ranks, files, fsyncs and subprocesses more than they compute (two workers kept the
+# cores about 55% busy). A file's tests stay in one worker, so a module's shared runs are made
+# once.
+python -m pytest -n "${LMC_TEST_WORKERS:-3}" --dist loadfile --durations=20 "$@"

@@ -49,6 +49,7 @@ JOBS = {
 
 def main(plan_file: str) -> None:
     from lightning_mcore_ckpt import _compat
+    from lightning_mcore_ckpt.resume_check._job import Placement
     from lightning_mcore_ckpt.resume_check._run import _launch
 
     for run in json.loads(Path(plan_file).read_text()):
@@ -60,7 +61,7 @@ def main(plan_file: str) -> None:
             JOBS[run["job"]],
             2,
             Path(run["run_dir"]),
-            ckpt_dir,
+            Placement(ckpt_dir=ckpt_dir, fast_dir=Path(run["run_dir"]) / "node_local" / "fast"),
             int(run["max_steps"]),
             run.get("ckpt"),
             None,

@@ -383,22 +383,27 @@ def check_resume(
             if report.nondeterminism is not None:
                 return report
         for way in hows:
-            base = root / way
-            runs.launch(base / "interrupted", None, way, f"the interrupted run ({way})")
-            if way == "wipe-node":
-                _wipe(runs.place(base), WIPED_NODE)
-            seen = len(_recoveries(base))
-            resumed = runs.launch(base / "resumed", "last", None, f"the resumed run ({way})")
-            result = InterruptionResult(way, resumed[2], _divergence(ref, resumed))
-            recoveries = _recoveries(base)[seen:]
-            result.recovery = recoveries[-1] if recoveries else None
-            if way == "wipe-node":
-                result.unproven = _unproven(result)
-            report.results.append(result)
+            report.results.append(_interrupt_and_resume(runs, root / way, way, ref))
         return report
     finally:
         if owned:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _interrupt_and_resume(runs: _Runs, base: Path, way: str, ref: Any) -> InterruptionResult:
+    """One ``how``: the job interrupted so (node 1 wiped after, for ``"wipe-node"``), resumed
+    from ``"last"``, and compared with the uninterrupted run ``ref``; which tier served it."""
+    runs.launch(base / "interrupted", None, way, f"the interrupted run ({way})")
+    if way == "wipe-node":
+        _wipe(runs.place(base), WIPED_NODE)
+    seen = len(_recoveries(base))
+    resumed = runs.launch(base / "resumed", "last", None, f"the resumed run ({way})")
+    result = InterruptionResult(way, resumed[2], _divergence(ref, resumed))
+    recoveries = _recoveries(base)[seen:]
+    result.recovery = recoveries[-1] if recoveries else None
+    if way == "wipe-node":
+        result.unproven = _unproven(result)
+    return result
 
 
 def _job_source(

@@ -123,7 +123,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             session.config.stash[_BEFORE] = before
 
 
+def _remove_multiprocessing_temp_dir() -> None:
+    """Run multiprocessing's own finalizer of this process's ``pymp-*`` directory now. It lies
+    under ``TMPDIR`` (see above), which pytest removes with the base temporary directory at the
+    end of a passing session (``tmp_path_retention_policy = "failed"``): removed at the
+    interpreter's exit instead, it would be missing, and the finalizer's error printed."""
+    from multiprocessing import util
+
+    registry = getattr(util, "_finalizer_registry", {})
+    for finalizer in list(registry.values()):
+        if getattr(finalizer, "_callback", None) is getattr(util, "_remove_temp_dir", None):
+            finalizer()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _remove_multiprocessing_temp_dir()
     before = session.config.stash.get(_BEFORE, None)
     after = checkout_files(_ROOT) if before is not None else None
     if before is None or after is None:

@@ -10,8 +10,9 @@ says, and the job is launched again with ``ckpt_path="last"``; its losses from
 :data:`KILLED_AT` + 1 on, and its final weights and optimizer state, must be those of an
 uninterrupted run, bit for bit, and the step it resumed must be the one the scenario leaves.
 
-The matrix (every pair of nodes x persistent saves x scenario is covered; CI runs the 2-node
-cells, sync and async, every scenario; the 3-node cells run with ``-m nodes_extended``):
+The matrix (every pair of nodes x persistent saves x scenario is covered; CI runs 2 nodes with
+sync saves in every scenario and 3 nodes with async saves, one node wiped and the copies
+altered; the other cells run with ``-m nodes_extended``):
 
 - nodes: 2, 3 (x 2 ranks each; R = 1);
 - the persistent tier's saves: sync, async;
@@ -165,21 +166,24 @@ EXPECTED = {
 }
 """Per scenario: the step resumed, and how many ranks read another node's copy."""
 
-# CI runs 2 nodes, sync and async, every scenario; with the extended cells (-m nodes_extended:
-# 3 nodes, each scenario) every pair of values is covered.
+# CI runs 2 nodes with sync persistent saves, every scenario, and 3 nodes with async ones (a
+# peer's copy read around the ring; the only whole copy altered); with the extended cells
+# (-m nodes_extended) every pair of values is covered.
 CI_CELLS = [
     (2, False, "intact"),
     (2, False, "one_wiped"),
     (2, False, "two_wiped"),
+    (2, False, "torn"),
     (2, False, "flipped"),
-    (2, True, "torn"),
+    (3, True, "one_wiped"),
+    (3, True, "flipped"),
 ]
 EXTENDED_CELLS = [
     (2, True, "intact"),
     (2, True, "two_wiped"),
+    (2, True, "torn"),
     (2, True, "flipped"),
     (3, True, "intact"),
-    (3, True, "one_wiped"),
     (3, True, "torn"),
     (3, False, "two_wiped"),
     (3, False, "torn"),

@@ -47,7 +47,8 @@ def test_versions_md_names_every_entry_and_only_them() -> None:
 def test_the_readme_names_the_tiers_and_the_command_ci_runs() -> None:
     text = " ".join((ROOT / "README.md").read_text().split())
     found = re.search(
-        r"then on Python 3\.11 the (?P<whole>[\w ,]+?) tiers and the (?P<partial>[\w ,]+?) tests "
+        r"on Python 3\.11 while the default environment is built, the (?P<whole>[\w ,]+?) tiers "
+        r"and the (?P<partial>[\w ,]+?) tests "
         r"whose code paths differ between the two combinations, as `tests/combination.txt` "
         r"lists them .*?: `(?P<command>[^`]+)`",
         text,

@@ -371,15 +371,7 @@ def check_resume(
     try:
         ref = runs.launch(root / "reference" / "run", None, None, "the uninterrupted run")
         if check_determinism:
-            again = runs.launch(
-                root / "reference_again" / "run",
-                None,
-                None,
-                "the second uninterrupted run (the determinism check)",
-            )
-            report.nondeterminism = compare_timelines(ref[0], again[0]) or compare_finals(
-                ref[1], again[1]
-            )
+            report.nondeterminism = _differs_from_itself(runs, root, ref)
             if report.nondeterminism is not None:
                 return report
         for way in hows:
@@ -388,6 +380,17 @@ def check_resume(
     finally:
         if owned:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _differs_from_itself(runs: _Runs, root: Path, ref: Any) -> Any:
+    """The job run uninterrupted a second time: where it differs from ``ref`` (``None``: not)."""
+    again = runs.launch(
+        root / "reference_again" / "run",
+        None,
+        None,
+        "the second uninterrupted run (the determinism check)",
+    )
+    return compare_timelines(ref[0], again[0]) or compare_finals(ref[1], again[1])
 
 
 def _interrupt_and_resume(runs: _Runs, base: Path, way: str, ref: Any) -> InterruptionResult:

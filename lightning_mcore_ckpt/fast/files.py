@@ -13,6 +13,9 @@ A node holds the files of its own ranks and the copies of its peers' ranks, unde
 names: a copy is the same file on another node. A rank's files are whole on a node when its
 seal is whole and names their sizes (:func:`present`); they are unchanged when their bytes
 hash to the seal's digests (:func:`verify`, read in full: done for the step resumed only).
+
+A seal's file names are read from a node's disk or received from a peer: each must be one of
+the files its rank may have (:func:`files_of`) before it becomes a path (:func:`sealed_paths`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR
+from lightning_mcore_ckpt.safety.names import UnsafeNameError, inside
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "read_seal",
     "remove_step",
     "seal_name",
+    "sealed_paths",
     "step_dir",
     "step_number",
     "steps",
@@ -76,6 +81,27 @@ def files_of(rank: int) -> list[str]:
 
 def seal_name(rank: int) -> str:
     return f"seal_{rank:05d}.json"
+
+
+def sealed_paths(step: Path, record: dict[str, Any], rank: int) -> dict[str, Path]:
+    """The paths in ``step`` of the files rank ``rank``'s seal ``record`` lists, by name.
+
+    A seal is read from a node's disk or received from a peer, and its digest proves integrity,
+    not origin: each name must be one of rank ``rank``'s own files (:func:`files_of`) and stay
+    inside ``step``, else :class:`~lightning_mcore_ckpt.safety.names.UnsafeNameError` names
+    the seal and the file (nothing is read or written for it).
+    """
+    allowed = files_of(rank)
+    source = f"rank {rank}'s seal of {Path(step).name}"
+    out = {}
+    for name in record["files"]:
+        if name not in allowed:
+            raise UnsafeNameError(
+                f"{source} names the file {name!r}, which is not one of rank {rank}'s files "
+                f"({', '.join(allowed)}): refused; the seal was not written by this library"
+            )
+        out[name] = inside(step, name, source)
+    return out
 
 
 def write_seal(
@@ -128,8 +154,9 @@ def present(step: Path, rank: int) -> bool:
     if record is None or record.get("rank") != rank or record.get("step") != step_number(step):
         return False
     try:
-        return all((step / n).stat().st_size == f["size"] for n, f in record["files"].items())
-    except OSError:
+        paths = sealed_paths(step, record, rank)
+        return all(paths[n].stat().st_size == f["size"] for n, f in record["files"].items())
+    except (OSError, UnsafeNameError):
         return False
 
 
@@ -140,8 +167,12 @@ def verify(step: Path, rank: int) -> str | None:
         return f"{step / seal_name(rank)} is missing, torn or altered"
     if record.get("rank") != rank or record.get("step") != step_number(step):
         return f"{step / seal_name(rank)} seals another rank's or step's files"
+    try:
+        paths = sealed_paths(step, record, rank)
+    except UnsafeNameError as err:
+        return str(err)
     for name, entry in record["files"].items():
-        path = step / name
+        path = paths[name]
         try:
             size = path.stat().st_size
         except OSError:

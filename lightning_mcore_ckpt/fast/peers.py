@@ -87,16 +87,26 @@ class Bundle:
     def read(cls, step: Path, rank: int) -> Bundle:
         seal = (step / files.seal_name(rank)).read_bytes()
         record = files.parse_seal(seal)
-        if record is None:
-            raise ValueError(f"{step / files.seal_name(rank)} is torn or altered")
-        return cls(seal, [_read(step / name) for name in record["files"]])
+        if record is None or record.get("rank") != rank:
+            raise ValueError(f"{step / files.seal_name(rank)} is torn, altered or another rank's")
+        return cls(seal, [_read(path) for path in files.sealed_paths(step, record, rank).values()])
 
     def write(self, step: Path, rank: int) -> int:
         """Write the files into ``step`` (this node), checked against the seal, then the seal;
-        the bytes written. Raises ``ValueError`` for a copy that does not match its seal."""
+        the bytes written. Raises ``ValueError`` for a copy that does not match its seal, and
+        :class:`~lightning_mcore_ckpt.safety.names.UnsafeNameError` (before anything is written)
+        for a seal that names a file the rank may not have."""
         record = files.parse_seal(self.seal)
         if record is None or record.get("rank") != rank:
             raise ValueError(f"the copy of rank {rank}'s seal for {step.name} is torn or altered")
+        if record.get("step") != files.step_number(step):
+            raise ValueError(f"the copy of rank {rank}'s seal for {step.name} seals another step")
+        paths = files.sealed_paths(step, record, rank)
+        if len(self.contents) != len(paths):
+            raise ValueError(
+                f"the copy of rank {rank}'s files for {step.name} holds {len(self.contents)} "
+                f"files, its seal names {len(paths)}"
+            )
         (step / files.seal_name(rank)).unlink(missing_ok=True)
         for (name, entry), data in zip(record["files"].items(), self.contents, strict=True):
             if len(data) != entry["size"] or integrity.hash_bytes(data) != entry["digest"]:
@@ -104,8 +114,8 @@ class Bundle:
                     f"the copy of {step.name}/{name} does not match rank {rank}'s seal "
                     f"({len(data)} bytes, {entry['size']} sealed)"
                 )
-            (step / name).parent.mkdir(parents=True, exist_ok=True)
-            _atomic.write_bytes(step / name, data)
+            paths[name].parent.mkdir(parents=True, exist_ok=True)
+            _atomic.write_bytes(paths[name], data)
         _atomic.write_bytes(step / files.seal_name(rank), self.seal)
         return len(self.seal) + sum(len(d) for d in self.contents)
 

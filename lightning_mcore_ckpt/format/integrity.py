@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from lightning_mcore_ckpt.safety.names import UnsafeNameError, in_step
 from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = [
@@ -234,7 +235,10 @@ def check_hashes(
     names = [n for n in sorted(hashes) if n.split("/", 1)[0] not in skip]
 
     def check(name: str) -> str | None:
-        file = root / name
+        try:
+            file = in_step(root, name, f"{root / 'metadata.json'}'s hashes")
+        except UnsafeNameError as err:
+            return str(err)
         if remote_files.size_of(file) is None:
             return f"{file} is missing"
         actual = hash_file(file)

@@ -30,6 +30,7 @@ from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.markers import METADATA_FILE, read_metadata
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
+from lightning_mcore_ckpt.safety.names import UnsafeNameError, in_step
 from lightning_mcore_ckpt.storage import atomic as _atomic
 from lightning_mcore_ckpt.storage import remote_files
 
@@ -247,7 +248,11 @@ def verify_step(
     for name, size in sorted(files.items()) if isinstance(files, dict) else ():
         if name.split("/", 1)[0] in skipped:
             continue
-        file = p / name
+        try:
+            file = in_step(p, name, f"{p / METADATA_FILE}'s file list", SHARED_DIR)
+        except UnsafeNameError as err:
+            problems.append(str(err))
+            continue
         if (actual := remote_files.size_of(file)) is None:
             problems.append(f"{file} is missing")
         elif actual < size:

@@ -28,6 +28,7 @@ from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, ExportPlan, p
 from lightning_mcore_ckpt.hf._reader import SliceReader, module_prefix
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SafetensorsWriter, write_index
 from lightning_mcore_ckpt.hf._upload import check_upload_options
+from lightning_mcore_ckpt.safety.names import inside
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = ["HF_DIR", "WHEN", "HFExport", "export_checkpoint", "is_exported"]
@@ -262,7 +263,8 @@ def _write_export(
     total_bytes = total_params = 0
     try:
         for number, (filename, names) in enumerate(plan.files.items(), start=1):
-            writer = SafetensorsWriter(out / filename, {n: plan.shapes[n] for n in names}, dtype)
+            path = inside(out, filename, "the export's file list")
+            writer = SafetensorsWriter(path, {n: plan.shapes[n] for n in names}, dtype)
             try:
                 wanted = set(names)
                 for name in names:

@@ -20,6 +20,7 @@ import torch
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._reader import Slice, SliceReader, module_prefix
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SINGLE
+from lightning_mcore_ckpt.safety.names import check_name
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportPlan", "plan_export"]
 
@@ -90,6 +91,8 @@ def plan_export(
     index = bridge.path / INDEX
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        for filename in set(weight_map.values()):  # the export writes files by these names
+            check_name(filename, f"{index}'s weight_map")
         files: dict[str, list[str]] = {}
         for name in sorted(names, key=lambda n: (weight_map.get(n, "~extra.safetensors"), n)):
             files.setdefault(weight_map.get(name, "model-extra.safetensors"), []).append(name)

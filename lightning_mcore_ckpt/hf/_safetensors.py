@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_mcore_ckpt.safety.names import inside
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = [
@@ -122,7 +123,8 @@ class HFReader:
         index = hf_dir / INDEX
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {k: hf_dir / v for k, v in weight_map.items()}
+            source = f"{index}'s weight_map"
+            self.where = {k: inside(hf_dir, v, source) for k, v in weight_map.items()}
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
             if not files:
@@ -154,6 +156,7 @@ def safetensors_files(hf_dir: Path) -> dict[str, list[str]]:
     if index.is_file():
         files: dict[str, list[str]] = {}
         for name, file in json.loads(index.read_text())["weight_map"].items():
+            inside(hf_dir, file, f"{index}'s weight_map")
             files.setdefault(file, []).append(name)
         return files
     out = {}

@@ -36,6 +36,7 @@ from typing import Any
 from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.layout import SHARED_DIR
 from lightning_mcore_ckpt.format.markers import METADATA_FILE, STARTED_MARKER
+from lightning_mcore_ckpt.safety.names import inside
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
 __all__ = ["PARTS_DIR", "await_parts", "merge_parts", "part_name", "upload_part"]
@@ -109,7 +110,7 @@ def _part_files(
     if shared:
         present = store.list(SHARED_DIR)
         for key in shared:
-            local = step.parent / key
+            local = inside(step.parent, key, f"the digests recorded for {step.name}")
             if local.is_file() and present.get(key) != local.stat().st_size:
                 files[key] = local
     return files

@@ -28,6 +28,7 @@ from typing import Any
 from lightning_mcore_ckpt.format import retention
 from lightning_mcore_ckpt.format.layout import SHARED_DIR, TRACKER_FILE, step_dir, step_number
 from lightning_mcore_ckpt.format.markers import METADATA_FILE, read_metadata
+from lightning_mcore_ckpt.safety.names import inside
 from lightning_mcore_ckpt.storage.node_parts import PARTS_DIR
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
@@ -175,7 +176,7 @@ def _objects_of(
         present = store.list(SHARED_DIR)
         for ref in shared:
             key = ref[3:]
-            local = step.parent / key
+            local = inside(step.parent, key, f"{step / METADATA_FILE}'s file list")
             if present.get(key) != local.stat().st_size:
                 files[key] = local
     return files, bool(shared)

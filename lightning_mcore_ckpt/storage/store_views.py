@@ -28,6 +28,7 @@ from lightning_mcore_ckpt.format.layout import (
     step_number,
     verify_step,
 )
+from lightning_mcore_ckpt.safety.names import inside
 from lightning_mcore_ckpt.storage import object_store, remote_files
 from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
@@ -62,6 +63,11 @@ def open_view(url: str, *, rank: int | None = None) -> Path:
     ``extra/`` files (the others are only read by range if read). Removed when the process
     exits.
 
+    Every listed name is checked before anything is written
+    (:func:`~lightning_mcore_ckpt.safety.names.inside`): a name that would leave the view
+    (``../x``, ``a//abs``) raises :class:`~lightning_mcore_ckpt.safety.names.UnsafeNameError`
+    naming the object, and nothing is downloaded.
+
     Example::
 
         from lightning_mcore_ckpt.format import layout
@@ -83,11 +89,11 @@ def open_view(url: str, *, rank: int | None = None) -> Path:
     root = base / (store.prefix.rsplit("/", 1)[-1] or store.bucket)
     root.mkdir()
     mine = None if rank is None else {f"rank_{rank:05d}.pt", "rank_00000.pt"}
+    listing = f"the listing of {store.url}"
+    checked = {name: inside(root, name, listing) for name in objects if name != LOCK_FILE}
     downloads = []
-    for name, size in objects.items():
-        if name == LOCK_FILE:
-            continue
-        local = root / name
+    for name, local in checked.items():
+        size = objects[name]
         local.parent.mkdir(parents=True, exist_ok=True)
         parts = name.split("/")
         other_rank = mine is not None and parts[-2:-1] == [EXTRA_DIR] and parts[-1] not in mine

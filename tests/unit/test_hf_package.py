@@ -34,6 +34,7 @@ ALLOWED = {
     "lightning_mcore_ckpt.training.parallel",
     "lightning_mcore_ckpt.safety.safe_dcp",
     "lightning_mcore_ckpt.safety.safe_load",
+    "lightning_mcore_ckpt.safety.names",
     "lightning_mcore_ckpt.training.adapters",
     "lightning_mcore_ckpt.errors",
     "lightning_mcore_ckpt.format.integrity",

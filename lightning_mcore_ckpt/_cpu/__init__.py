@@ -38,6 +38,9 @@ computation at all. Each adaptation is the smallest that makes the stock code pa
   behaviour for ``"cuda"`` only, so under CPU autocast (``precision="bf16-mixed"``) their
   backward would multiply a bf16 gradient by an fp32 weight. On CPU they are declared for
   ``"cpu"``: the backward runs under the autocast state of the forward, as on GPU.
+* **MoE router on megatron-core 0.16.** Its router reads ``te_general_gemm``, a name that
+  version binds only when Transformer Engine imports: it is bound to ``None`` here, as 0.17+
+  does, and the router takes its plain-torch matmul.
 * **Model configs.** :func:`transformer_config_overrides` turns off the fused kernels (CUDA
   only) and asks for CPU initialisation in configs built from a Hugging Face model.
 
@@ -138,5 +141,6 @@ def install(device_type: str | None = None) -> bool:
             _patches.patch_dist_checkpointing()
             _patches.patch_autocast()
             _patches.patch_moe_split_sizes()
+            _patches.patch_moe_router_gemm()
             _installed = True
     return True

@@ -11,6 +11,7 @@ __all__ = [
     "patch_autocast",
     "patch_dist_checkpointing",
     "patch_memory_buffer",
+    "patch_moe_router_gemm",
     "patch_moe_split_sizes",
 ]
 
@@ -122,3 +123,14 @@ def patch_moe_split_sizes() -> None:
     for module in (moe_utils, token_dispatcher):
         if hasattr(module, "maybe_move_tensor_to_cpu"):
             module.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def patch_moe_router_gemm() -> None:
+    """Megatron-Core 0.16 binds ``te_general_gemm`` in ``moe_utils`` only when Transformer Engine
+    imports, and its router reads the name unconditionally (``NameError`` at the first forward
+    of any MoE model). 0.17+ binds it to ``None`` without Transformer Engine: so is it here, and
+    the router takes its plain-torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

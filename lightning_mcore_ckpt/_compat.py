@@ -389,3 +389,38 @@ def hybrid_model(
     return model_class(
         config=config, hybrid_stack_spec=stack_spec, hybrid_layer_pattern=layer_pattern, **kwargs
     )
+
+
+def update_router_expert_bias(chunks: list[Any], config: Any) -> None:
+    """Megatron-Core's update of the routers' ``expert_bias`` (aux-loss-free balancing) for a
+    global batch, as its ``finalize_model_grads`` does after the gradients (0.16 reduces the
+    token counts over the tensor-and-data-parallel group itself; 0.19 takes the group), then
+    the counts reset (:func:`reset_router_token_counts`)."""
+    import importlib
+
+    from megatron.core import parallel_state
+
+    # The module (the package's attribute of that name is the function).
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    update = finalize._update_router_expert_bias
+    if "tp_dp_cp_group" in inspect.signature(update).parameters:
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        update(chunks, config, tp_dp_cp_group=group)
+    else:
+        update(chunks, config)
+    reset_router_token_counts(chunks)
+
+
+def reset_router_token_counts(chunks: list[Any]) -> None:
+    """Zero each router's ``local_tokens_per_expert`` after the expert-bias update, so that the
+    next update counts the next global batch only. Megatron-LM's newer ``finalize_model_grads``
+    does so (``reset_model_temporary_tensors``); megatron-core 0.16 to 0.19 never reset them, so
+    each update weighs every token since the process started, and a resumed run (whose counts
+    start at zero: they are not checkpointed) would update the bias differently."""
+    import torch
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            counts = getattr(module, "local_tokens_per_expert", None)
+            if isinstance(counts, torch.Tensor) and hasattr(module, "expert_bias"):
+                counts.zero_()

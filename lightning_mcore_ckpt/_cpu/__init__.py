@@ -38,11 +38,20 @@ computation at all. Each adaptation is the smallest that makes the stock code pa
   behaviour for ``"cuda"`` only, so under CPU autocast (``precision="bf16-mixed"``) their
   backward would multiply a bf16 gradient by an fp32 weight. On CPU they are declared for
   ``"cpu"``: the backward runs under the autocast state of the forward, as on GPU.
+* **Uneven gathers.** Expert tensor parallelism gathers and reduce-scatters each rank's routed
+  tokens in uneven splits, which gloo refuses: on CPU they are padded and trimmed (gather), or
+  summed whole and sliced (reduce-scatter).
 * **MoE router on megatron-core 0.16.** Its router reads ``te_general_gemm``, a name that
   version binds only when Transformer Engine imports: it is bound to ``None`` here, as 0.17+
   does, and the router takes its plain-torch matmul.
 * **Model configs.** :func:`transformer_config_overrides` turns off the fused kernels (CUDA
   only) and asks for CPU initialisation in configs built from a Hugging Face model.
+* **Sequence parallelism** (:mod:`._norm`). The local layer spec's torch norm
+  (``WrappedTorchNorm``) refuses it, and Megatron-Core refuses to train a mixture of experts
+  with tensor parallelism without it. The builders of the local specs (the tiny GPT and hybrid
+  models, ``HFBridge.gpt_model``) pass their spec through :func:`local_spec_norms`: the same
+  torch norm, whose parameters are marked ``sequence_parallel`` as Apex's and Transformer
+  Engine's are, so their gradients are summed over the tensor-parallel group.
 
 What is *not* made to work here, and is avoided by the callers instead:
 ``FullyParallelLoadStrategyWrapper`` (its exchange allocates on the literal ``"cuda"``; on CPU the
@@ -58,12 +67,13 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt._cpu import _device, _patches
+from lightning_mcore_ckpt._cpu import _device, _norm, _patches
 
 __all__ = [
     "cuda_available",
     "install",
     "installed",
+    "local_spec_norms",
     "on_cpu",
     "optimizer_metadata_overrides",
     "parallel_load_supported",
@@ -106,8 +116,46 @@ def transformer_config_overrides() -> dict[str, Any]:
         "bias_dropout_fusion": False,
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
-        "sequence_parallel": False,
     }
+
+
+def local_spec_norms(spec: Any, config: Any) -> Any:
+    """A local (Transformer-Engine-free) layer spec whose norms allow sequence parallelism,
+    when this process runs on the CPU; ``spec`` itself on CUDA.
+
+    Every ``WrappedTorchNorm`` in ``spec`` becomes the same torch norm with its parameters
+    marked ``sequence_parallel = config.sequence_parallel``. A spec of one transformer layer
+    (what ``GPTModel`` takes: its block adds a final norm of Megatron-Core's global choice) comes
+    back as the block's submodules: that layer for each layer of this pipeline stage, and the
+    final norm. ``spec`` is not changed.
+
+    Example::
+
+        spec = _cpu.local_spec_norms(get_gpt_layer_local_spec(), config)
+        model = GPTModel(config=config, transformer_layer_spec=spec, ...)
+    """
+    if not on_cpu():
+        return spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+
+    spec = _norm.replace_norms(spec)
+    module = getattr(spec, "module", None) if isinstance(spec, ModuleSpec) else None
+    if isinstance(module, type) and issubclass(module, BaseTransformerLayer):
+        return TransformerBlockSubmodules(
+            layer_specs=[spec] * _layers_of_this_stage(config), layer_norm=_norm.TorchNorm
+        )
+    return spec
+
+
+def _layers_of_this_stage(config: Any) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if not parallel_state.model_parallel_is_initialized():
+        return int(config.num_layers)
+    return int(get_num_layers_to_build(config))
 
 
 def optimizer_metadata_overrides() -> dict[str, Any]:
@@ -142,5 +190,6 @@ def install(device_type: str | None = None) -> bool:
             _patches.patch_autocast()
             _patches.patch_moe_split_sizes()
             _patches.patch_moe_router_gemm()
+            _patches.patch_uneven_gathers()
             _installed = True
     return True

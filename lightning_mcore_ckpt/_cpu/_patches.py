@@ -13,6 +13,7 @@ __all__ = [
     "patch_memory_buffer",
     "patch_moe_router_gemm",
     "patch_moe_split_sizes",
+    "patch_uneven_gathers",
 ]
 
 # --- global memory buffer --------------------------------------------------------------------
@@ -134,3 +135,44 @@ def patch_moe_router_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def patch_uneven_gathers() -> None:
+    """Expert tensor parallelism gathers and reduce-scatters the routed tokens along the first
+    dimension in uneven splits (each rank routes its own number of tokens to the experts):
+    ``all_gather`` into a list of unequal tensors and ``reduce_scatter`` of one, which NCCL
+    runs and gloo refuses ("invalid tensor size"). On CPU, an uneven gather pads every rank's
+    part to the largest and trims; an uneven reduce-scatter sums the whole tensor over the
+    group and keeps this rank's rows. Even splits take Megatron-Core's own path."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
+
+    def gather_along_first_dim(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1 or len(set(output_split_sizes)) == 1:
+            return gather(input_, group, output_split_sizes, *args, **kwargs)
+        largest = max(output_split_sizes)
+        padded = input_.new_zeros((largest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes, strict=True)])
+
+    def reduce_scatter_along_first_dim(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1 or len(set(input_split_sizes)) == 1:
+            return reduce_scatter(input_, group, input_split_sizes, *args, **kwargs)
+        summed = input_.contiguous().clone()
+        dist.all_reduce(summed, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return summed[start : start + input_split_sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim

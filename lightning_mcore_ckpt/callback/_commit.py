@@ -163,6 +163,11 @@ class Committer:
 
     # --- the strategy's SaveListener (every rank) ----------------------------------------
 
+    @property
+    def committed_step(self) -> int | None:
+        """The newest step committed since this committer was made (``None``: none)."""
+        return None if self._committed < 0 else self._committed
+
     def owns(self, path: Path) -> bool:
         return Path(path) in self._intents
 

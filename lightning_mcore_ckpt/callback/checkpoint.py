@@ -243,6 +243,32 @@ class MegatronCheckpoint(ModelCheckpoint):
         was preempted, else 0. ``sys.exit(checkpoint.exit_code)``."""
         return self.PREEMPTED_EXIT_CODE if self.preempted else 0
 
+    def wait_for_commits(self, trainer: pl.Trainer) -> int | None:
+        """Wait until every save started so far is committed: its background write finished,
+        its commit marker and the tracker written (on rank 0, by the commit thread), its
+        retention and an export it carries done. Returns the newest step committed in this
+        ``fit`` (``None``: none yet). A failed save raises
+        :class:`~lightning_mcore_ckpt.CheckpointSaveError` here (or is counted, with
+        ``on_save_error="warn"``).
+
+        Collective: every rank calls it at the same point, e.g. in a callback's
+        ``on_train_batch_end`` placed after this one, or after a ``trainer.save_checkpoint``.
+        ``strategy.finalize_pending_save(blocking=True)`` alone returns once the files are
+        written, before the step is committed.
+
+        Example::
+
+            step = checkpoint.wait_for_commits(trainer)
+            assert layout.read_tracker(checkpoint.dirpath) == step  # on rank 0
+        """
+        finalize = getattr(trainer.strategy, "finalize_pending_save", None)
+        if finalize is not None:
+            finalize(blocking=True)
+        if self._committer is None:
+            return None
+        self._committer.process(wait=True)
+        return self._committer.committed_step
+
     @property
     def _root(self) -> Path:
         """``dirpath`` as a resolved path (also after a reassignment of ``dirpath``)."""

@@ -108,6 +108,7 @@ class HFBridge:
         self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         if self.head != "lm":
             self.hf_config.num_labels = 1
+        _fill_head_dim(self.hf_config)
         named = raw.get("torch_dtype") or raw.get("dtype")
         config_dtype = getattr(torch, named, None) if isinstance(named, str) else None
         self.config_dtype: torch.dtype = (
@@ -230,6 +231,9 @@ class HFBridge:
                 ),
                 context_parallel_size=parallel_state.get_context_parallel_world_size(),
                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                expert_tensor_parallel_size=(
+                    parallel_state.get_expert_tensor_parallel_world_size()
+                ),
                 # mbridge's default is 1, which Megatron-Core reads as a virtual pipeline.
                 virtual_pipeline_model_parallel_size=(
                     parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -247,6 +251,7 @@ class HFBridge:
             settings.update(_LOCAL_MOE)
         if self.model_type == "qwen2_moe":  # mbridge leaves out Qwen2-MoE's shared-expert gate
             settings["moe_shared_expert_gate"] = True
+        settings.update(_router_as_hf(self.model_type, self.hf_config))
         settings.update(overrides)
         config = self.bridge.config
         return dataclasses.replace(config, **settings)
@@ -277,6 +282,7 @@ class HFBridge:
                 **_local_moe_spec_args(config),
             )
             _moe_norm_named_as_with_te(spec, config)
+            spec = _cpu.local_spec_norms(spec, config)
         initialized = parallel_state.model_parallel_is_initialized()
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage() if initialized else True
@@ -297,6 +303,33 @@ class HFBridge:
 
             make_value_model(model, pre_process, post_process, config, self.hf_config)
         return model
+
+
+def _router_as_hf(model_type: str, hf_config: Any) -> dict[str, Any]:
+    """The router's ``TransformerConfig`` fields that weigh the chosen experts as transformers
+    does: renormalised over them (a softmax of their logits: ``moe_router_pre_softmax=False``)
+    or not (a softmax over every expert: ``True``).
+
+    mbridge 0.15 hard-codes one per family: ``True`` for Mixtral, whose transformers model
+    renormalises (a tiny Mixtral's logits then differed by 5% of their size), and one value
+    each for Qwen2-MoE and Qwen3-MoE, whose configs say which (``norm_topk_prob``).
+    """
+    if model_type == "mixtral":
+        return {"moe_router_pre_softmax": False}
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        return {"moe_router_pre_softmax": not getattr(hf_config, "norm_topk_prob", False)}
+    return {}
+
+
+def _fill_head_dim(hf_config: Any) -> None:
+    """Give ``head_dim`` its value where the config leaves it ``None`` (Mixtral's does).
+
+    transformers then computes ``hidden_size // num_attention_heads``; mbridge 0.15 reads
+    ``hf_config.head_dim`` and multiplies it, failing on ``None``. Only the bridge's copy of the
+    config changes: an export writes the source's ``config.json``.
+    """
+    if getattr(hf_config, "head_dim", 0) is None:
+        hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
 
 
 # Mixtures of experts with Megatron-Core's local layers (no Transformer Engine: CPU).

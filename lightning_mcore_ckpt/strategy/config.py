@@ -61,6 +61,10 @@ class StrategyConfig:
     """Ranks the sequence is split across."""
     expert_model_parallel_size: int = 1
     """Ranks the MoE experts are split across."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks each MoE expert's tensors are split across; ``None``: as
+    ``tensor_model_parallel_size`` (Megatron-Core's default). With tensor parallelism, experts
+    split over ranks instead (``expert_model_parallel_size=2``) need ``1`` here on 2 ranks."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (must match the model's config)."""
     seed: int = 1234
@@ -138,6 +142,8 @@ class StrategyConfig:
             "expert_model_parallel_size",
         ):
             _check_size(name, getattr(self, name))
+        if self.expert_tensor_parallel_size is not None:
+            _check_size("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
         for name in (
             "sequence_parallel",
             "ckpt_async_save",

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_ckpt import _compat
+
 __all__ = [
     "ScheduleGrads",
     "add_schedule_grads",
@@ -194,6 +196,7 @@ def finalize_grads(
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(chunks)
+        _compat.reset_router_token_counts(chunks)  # after its expert-bias update
         return
     params = [p for p in model.parameters() if p.grad is not None]
     grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
@@ -219,6 +222,18 @@ def finalize_grads(
             g for p, g in zip(params, grads, strict=True) if getattr(p, "sequence_parallel", False)
         ]
         _all_reduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+    _update_expert_bias(model)
+
+
+def _update_expert_bias(model: torch.nn.Module) -> None:
+    # Aux-loss-free load balancing: each router's expert_bias (a buffer, fp32, no gradient)
+    # moves towards the experts that got fewer tokens in this global batch, as Megatron-Core's
+    # finalize_model_grads does after the gradients (Megatron DDP runs that path itself).
+    for chunk in megatron_modules(model):
+        config = getattr(chunk, "config", None)
+        if config is not None and getattr(config, "moe_router_enable_expert_bias", False):
+            _compat.update_router_expert_bias([chunk], config)
+        return  # the outermost Megatron-Core module holds every router
 
 
 def clip_grad_by_norm(

@@ -10,7 +10,7 @@ import torch
 from lightning_mcore_ckpt.strategy.config import StrategyConfig
 from lightning_mcore_ckpt.strategy.grads import megatron_modules
 
-__all__ = ["check_model_configs", "convert_precision"]
+__all__ = ["check_model_configs", "check_moe_sequence_parallel", "convert_precision"]
 
 
 def check_model_configs(model: torch.nn.Module, config: StrategyConfig) -> None:
@@ -34,6 +34,28 @@ def check_model_configs(model: torch.nn.Module, config: StrategyConfig) -> None:
                     "TransformerConfig from the strategy's settings"
                 )
         break
+
+
+def check_moe_sequence_parallel(model: torch.nn.Module, config: StrategyConfig) -> None:
+    """Refuse to train a mixture of experts with tensor parallelism but without sequence
+    parallelism, which Megatron-Core refuses only at the first forward of its MoE layer."""
+    if config.tensor_model_parallel_size == 1 or config.sequence_parallel:
+        return
+    for module in megatron_modules(model):
+        model_config = getattr(module, "config", None)
+        if model_config is None:
+            continue
+        experts = getattr(model_config, "num_moe_experts", None)
+        if experts:
+            raise ValueError(
+                f"{type(module).__name__} is a mixture of experts (num_moe_experts={experts}) "
+                f"and MegatronStrategy(tensor_model_parallel_size="
+                f"{config.tensor_model_parallel_size}, sequence_parallel=False): Megatron-Core "
+                "trains MoE layers with tensor parallelism only with sequence parallelism. "
+                "Use MegatronStrategy(sequence_parallel=True) (and build the model's "
+                "TransformerConfig with sequence_parallel=True), or tensor_model_parallel_size=1"
+            )
+        return
 
 
 def convert_precision(model: torch.nn.Module, plugin: Any) -> torch.nn.Module:

@@ -52,7 +52,11 @@ from lightning_mcore_ckpt.safety import safe_load
 from lightning_mcore_ckpt.strategy import grads, lightning_checkpoints
 from lightning_mcore_ckpt.strategy.config import ProcessGroupBackend, StrategyConfig
 from lightning_mcore_ckpt.strategy.dataloader import elastic_dataloader
-from lightning_mcore_ckpt.strategy.model_setup import check_model_configs, convert_precision
+from lightning_mcore_ckpt.strategy.model_setup import (
+    check_model_configs,
+    check_moe_sequence_parallel,
+    convert_precision,
+)
 from lightning_mcore_ckpt.training import parallel
 from lightning_mcore_ckpt.training.rng import RNGState
 
@@ -103,6 +107,7 @@ class MegatronStrategy(ParallelStrategy):
         pipeline_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
         sequence_parallel: bool = False,
         seed: int = 1234,
         ckpt_async_save: bool = False,
@@ -167,6 +172,12 @@ class MegatronStrategy(ParallelStrategy):
     @property
     def expert_model_parallel_size(self) -> int:
         return self.config.expert_model_parallel_size
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """As given, or ``tensor_model_parallel_size`` (Megatron-Core's default)."""
+        given = self.config.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if given is None else given
 
     @property
     def sequence_parallel(self) -> bool:
@@ -280,6 +291,7 @@ class MegatronStrategy(ParallelStrategy):
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             seed=self.seed,
             timeout=self.config.timeout,
             device_type=self.root_device.type,
@@ -324,6 +336,7 @@ class MegatronStrategy(ParallelStrategy):
         self.model_to_device()
         self.barrier("MegatronStrategy.setup")
         if trainer.state.fn == TrainerFn.FITTING:
+            check_moe_sequence_parallel(self.model, self.config)
             self._initialize_weights(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -562,10 +575,14 @@ class MegatronStrategy(ParallelStrategy):
         return module_sharded_state_dict(self.lightning_module)
 
     def parallel_layout(self) -> dict[str, int]:
-        """The parallel sizes of this run, as recorded in checkpoints."""
+        """The parallel sizes of this run, as recorded in checkpoints.
+
+        ``expert_tensor_parallel_size`` is recorded only where it differs from
+        ``tensor_model_parallel_size`` (absent: equal, Megatron-Core's default), so that steps
+        saved before it was recorded compare equal to the same layout today."""
         from megatron.core import parallel_state
 
-        return {
+        layout = {
             "world_size": dist.get_world_size(),
             "tensor_model_parallel_size": self.tensor_model_parallel_size,
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
@@ -573,6 +590,9 @@ class MegatronStrategy(ParallelStrategy):
             "expert_model_parallel_size": self.expert_model_parallel_size,
             "data_parallel_size": parallel_state.get_data_parallel_world_size(),
         }
+        if self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+            layout["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size
+        return layout
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]

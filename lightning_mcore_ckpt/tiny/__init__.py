@@ -28,6 +28,7 @@ from lightning_mcore_ckpt.tiny.hybrid import (
     check_layer_pattern,
     hybrid_local_stack_spec,
 )
+from lightning_mcore_ckpt.training.model_config import check_transformer_config
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -74,6 +75,8 @@ def tiny_gpt_config(**overrides: Any) -> TransformerConfig:
         pipeline_dtype=torch.float32,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -109,7 +112,11 @@ def tiny_gpt(
     cfg = config if config is not None else tiny_gpt_config(**config_overrides)
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        # MoE layers where the config has experts (num_moe_experts): Megatron-Core's
+        # SequentialMLP of local experts, no grouped GEMM (a Transformer Engine kernel).
+        transformer_layer_spec=_cpu.local_spec_norms(
+            get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), cfg
+        ),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -147,7 +154,7 @@ def tiny_hybrid(
     )
     return _compat.hybrid_model(
         cfg,
-        hybrid_local_stack_spec(),
+        _cpu.local_spec_norms(hybrid_local_stack_spec(), cfg),
         layer_pattern,
         parallel_state.get_pipeline_model_parallel_world_size(),
         vocab_size=vocab_size,
@@ -215,6 +222,7 @@ def megatron_optimizer(
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
+        min_lr=lr / 10,  # a decaying schedule's floor (OptimizerParamScheduler reads it)
         weight_decay=weight_decay,
         use_distributed_optimizer=distributed_optimizer,
         bf16=bf16,
@@ -227,24 +235,16 @@ def step_lr(optimizer: Any, step_size: int, gamma: float) -> Any:
     """``torch.optim.lr_scheduler.StepLR`` of a torch or Megatron-Core optimizer.
 
     A Megatron-Core optimizer is not a ``torch.optim.Optimizer``; its learning rates live in the
-    parameter groups of the torch optimizers inside it, which its ``param_groups`` returns. The
-    scheduler steps those groups and names the Megatron optimizer as its own, as Lightning
-    expects of a scheduler returned with it.
+    parameter groups of the torch optimizers inside it (every inner optimizer's, for a
+    ``ChainedOptimizer``), which its ``param_groups`` returns. The scheduler steps all of them and
+    names the Megatron optimizer as its own, as Lightning expects of a scheduler returned with it
+    (:func:`lightning_mcore_ckpt.training.schedules.torch_scheduler`).
     """
-    from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+    from lightning_mcore_ckpt.training.schedules import torch_scheduler
 
-    if not isinstance(optimizer, MegatronOptimizer):
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
-    chained = (
-        optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return torch_scheduler(
+        optimizer, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=step_size, gamma=gamma)
     )
-    if len(chained) != 1:
-        raise ValueError(f"step_lr: one inner optimizer expected, found {len(chained)}")
-    scheduler = torch.optim.lr_scheduler.StepLR(
-        chained[0].optimizer, step_size=step_size, gamma=gamma
-    )
-    scheduler.optimizer = optimizer
-    return scheduler
 
 
 def _datamodule_base() -> type:
@@ -291,6 +291,9 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
     """A LightningModule around :func:`tiny_gpt`: AdamW with a step LR schedule, dropout on.
 
     Records every training loss (``step_losses``) so that tests can compare runs bit for bit.
+    ``transformer_config``: ``TransformerConfig`` fields set on the model, over the defaults
+    (e.g. a mixture of experts: ``{"num_moe_experts": 4, "moe_router_topk": 2}``; see
+    ``docs/moe.md``); a LightningCLI config sets it as a mapping under ``init_args``.
     With pipeline parallelism, each batch runs through
     :meth:`~lightning_mcore_ckpt.MegatronStrategy.forward_backward`, one micro-batch per sample.
 
@@ -308,6 +311,7 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         num_layers: int = 2,
         optimizer: str = "adamw",
         megatron_bf16: bool = False,
+        transformer_config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -324,6 +328,9 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
         self.num_layers = num_layers
         self.optimizer_name = optimizer
         self.megatron_bf16 = megatron_bf16
+        self.transformer_config = check_transformer_config(
+            transformer_config, f"{type(self).__name__}(transformer_config=...)"
+        )
         self.gpt: Any = None
         self.step_losses: list[torch.Tensor] = []
 
@@ -337,6 +344,7 @@ class TinyGPTModule(_lightning_module_base()):  # type: ignore[misc]
             num_layers=self.num_layers,
             sequence_parallel=getattr(strategy, "sequence_parallel", False),
             **(_BF16 if self.megatron_bf16 else {}),
+            **self.transformer_config,
         )
         if self.optimizer_name != "adamw":
             self.gpt = megatron_ddp(
@@ -446,6 +454,7 @@ class TinyHybridModule(TinyGPTModule):
         dropout: float = 0.1,
         optimizer: str = "adamw",
         megatron_bf16: bool = False,
+        transformer_config: dict[str, Any] | None = None,
     ) -> None:
         check_layer_pattern(layer_pattern, "TinyHybridModule: layer_pattern")
         super().__init__(
@@ -454,6 +463,7 @@ class TinyHybridModule(TinyGPTModule):
             num_layers=len(layer_pattern),
             optimizer=optimizer,
             megatron_bf16=megatron_bf16,
+            transformer_config=transformer_config,
         )
         self.layer_pattern = layer_pattern
 
@@ -467,7 +477,9 @@ class HFGPTModule(TinyGPTModule):
 
     The model (``self.model``) is built from ``hf_model_path``'s config through mbridge, with
     random weights: start from the Hugging Face weights with
-    ``MegatronStrategy(init_from=hf_model_path)``. Its checkpoint keys start with ``model.``,
+    ``MegatronStrategy(init_from=hf_model_path)``. ``transformer_config``: fields set over
+    what the bridge maps from the Hugging Face config (e.g. the router's
+    ``moe_router_load_balancing_type="aux_loss"``, which mbridge maps as ``"none"``). Its checkpoint keys start with ``model.``,
     the default prefix of ``lightning-mcore-ckpt import``.
 
     Example::
@@ -477,9 +489,13 @@ class HFGPTModule(TinyGPTModule):
     """
 
     def __init__(
-        self, hf_model_path: str | os.PathLike[str], lr: float = 1e-3, dropout: float = 0.0
+        self,
+        hf_model_path: str | os.PathLike[str],
+        lr: float = 1e-3,
+        dropout: float = 0.0,
+        transformer_config: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(lr=lr, dropout=dropout)
+        super().__init__(lr=lr, dropout=dropout, transformer_config=transformer_config)
         self.save_hyperparameters()
         self.hf_model_path = hf_model_path
         self.model: Any = None
@@ -497,5 +513,6 @@ class HFGPTModule(TinyGPTModule):
             hidden_dropout=self.dropout,
             attention_dropout=self.dropout,
             sequence_parallel=getattr(self.trainer.strategy, "sequence_parallel", False),
+            **self.transformer_config,
         )
         self.model = bridge.gpt_model(config)

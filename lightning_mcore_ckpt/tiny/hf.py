@@ -55,9 +55,11 @@ def tiny_hf_model(
 ) -> Path:
     """Write a randomly initialised Hugging Face causal LM (with tokenizer) to ``path``.
 
-    ``family`` is ``"qwen2"`` (biased QKV), ``"llama"`` or ``"qwen2_moe"`` (a mixture of
-    ``num_experts`` experts of ``intermediate_size``, ``experts_per_token`` routed per token,
-    plus a gated shared expert of ``intermediate_size``). ``max_shard_size`` (e.g. ``"100KB"``)
+    ``family`` is ``"qwen2"`` (biased QKV), ``"llama"``, or a mixture of ``num_experts``
+    experts of ``intermediate_size``, ``experts_per_token`` routed per token, in every layer:
+    ``"qwen2_moe"`` (plus a gated shared expert of ``intermediate_size``), ``"qwen3_moe"``
+    (query/key norms, routing weights renormalised over the chosen experts as the published
+    Qwen3-MoE models do) or ``"mixtral"``. ``max_shard_size`` (e.g. ``"100KB"``)
     splits the weights into shards with an index, as large models are published. The directory
     loads with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` offline. Returns
     ``path``.
@@ -69,30 +71,29 @@ def tiny_hf_model(
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     families = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
     }
     if family not in families:
         raise ValueError(f"tiny_hf_model(family={family!r}): use one of {sorted(families)}")
     config_cls, model_cls = families[family]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    moe: dict[str, Any] = {}
-    if family == "qwen2_moe":
-        moe = dict(
-            num_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-            moe_intermediate_size=intermediate_size,
-            shared_expert_intermediate_size=intermediate_size,
-        )
+    moe = _moe_config(family, num_experts, experts_per_token, intermediate_size)
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -113,6 +114,28 @@ def tiny_hf_model(
     tokenizer = _tiny_tokenizer(vocab_size)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _moe_config(
+    family: str, num_experts: int, experts_per_token: int, intermediate_size: int
+) -> dict[str, Any]:
+    """The config fields of a tiny mixture of experts of ``family`` ({} for a dense one)."""
+    routed = {"num_experts_per_tok": experts_per_token}
+    if family == "qwen2_moe":
+        return routed | {
+            "num_experts": num_experts,
+            "moe_intermediate_size": intermediate_size,
+            "shared_expert_intermediate_size": intermediate_size,
+        }
+    if family == "qwen3_moe":
+        return routed | {
+            "num_experts": num_experts,
+            "moe_intermediate_size": intermediate_size,
+            "norm_topk_prob": True,  # as Qwen3-30B-A3B and Qwen3-235B-A22B publish it
+        }
+    if family == "mixtral":
+        return routed | {"num_local_experts": num_experts}  # experts of intermediate_size
+    return {}
 
 
 def tiny_hf_qwen2(path: str | os.PathLike[str], **kwargs: Any) -> Path:

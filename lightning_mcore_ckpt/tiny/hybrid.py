@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from lightning_mcore_ckpt import _compat
+from lightning_mcore_ckpt import _compat, _cpu
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -47,7 +47,8 @@ def _local_stack() -> type:
             super().__init__(config, *args, post_layer_norm=False, **kwargs)
             self.post_layer_norm = post_layer_norm
             if self.post_process and post_layer_norm:
-                self.final_norm = LocalSpecProvider().layer_norm()(
+                norm = _cpu.local_spec_norms(LocalSpecProvider().layer_norm(), config)
+                self.final_norm = norm(
                     config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
                 )
 

@@ -43,6 +43,7 @@ def initialize(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     seed: int = 1234,
     backend: str | None = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -87,6 +88,7 @@ def initialize(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
     seed_all(seed)

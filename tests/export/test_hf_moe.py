@@ -1,6 +1,7 @@
 """Hugging Face export of a mixture of experts trained and saved with expert parallelism.
 
-A tiny Qwen2-MoE (4 experts, 2 routed per token, a gated shared expert) trains on 2 gloo
+A tiny mixture of experts of each family mbridge converts (4 experts, 2 routed per token;
+Qwen2-MoE with a gated shared expert, Qwen3-MoE with query/key norms, Mixtral) trains on 2 gloo
 processes with ``expert_model_parallel_size=2`` (each process holds 2 of the experts), saves,
 and is exported once when ``fit`` ends. The export reads one expert of one layer at a time.
 """
@@ -19,8 +20,19 @@ from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(400)
 
-MOE = dict(family="qwen2_moe", hidden_size=32, intermediate_size=256, num_experts=4)
+MOE: dict[str, Any] = dict(hidden_size=32, intermediate_size=256, num_experts=4)
 """Each expert's gate/up weight (512 x 32) is the model's largest tensor slice."""
+FAMILIES = {
+    # family -> Hugging Face tensors of every layer ({e}: each expert) that the export must write
+    "qwen2_moe": [
+        "mlp.gate.weight",
+        "mlp.shared_expert_gate.weight",
+        "mlp.shared_expert.up_proj.weight",
+        "mlp.experts.{e}.up_proj.weight",
+    ],
+    "qwen3_moe": ["mlp.gate.weight", "self_attn.q_norm.weight", "mlp.experts.{e}.up_proj.weight"],
+    "mixtral": ["block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w3.weight"],
+}
 EXPERT_SLICE_BYTES = 2 * 256 * 32 * 4
 """One expert's fused gate/up weight of one layer, fp32."""
 LOGITS_ATOL = 1e-4
@@ -91,20 +103,43 @@ def _load_at_ep1_and_export(rank: int, world_size: int, tmp: str) -> None:
     resave_on_this_layout_and_export(tmp, "ckpt/global_step_3", "ep1")
 
 
-def test_import_then_export_of_a_moe_gives_back_the_same_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_import_then_export_of_a_moe_gives_back_the_same_files(tmp_path: Path, family: str) -> None:
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
-    src = tiny_hf_model(tmp_path / "src", **MOE)
+    src = tiny_hf_model(tmp_path / "src", family, **MOE)
     step = tmp_path / "imported"
     assert cli_main(["import", str(src), "--out", str(step)]) == 0
     out = tmp_path / "exported"
     assert cli_main(["export", str(step), "--hf-model", str(src), "--out", str(out)]) == 0
-    # Experts one per expert, the router, the shared expert and its gate: byte for byte.
+    # Experts one per expert, the router (Qwen2-MoE: the shared expert and its gate): byte for
+    # byte.
     assert _files(out) == _files(src)
 
 
+@pytest.mark.parametrize(("family", "renormalised"), [("qwen2_moe", True), ("qwen3_moe", False)])
+def test_the_router_weighs_the_chosen_experts_as_the_config_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str, renormalised: bool
+) -> None:
+    # norm_topk_prob the other way round from the tiny models (and mbridge's fixed choice):
+    # the imported step computes the logits transformers computes.
+    from lightning_mcore_ckpt.tiny import tiny_hf_model
+
+    src = tiny_hf_model(tmp_path / "src", family, **MOE)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "norm_topk_prob": renormalised}))
+    step = tmp_path / "imported"
+    assert cli_main(["import", str(src), "--out", str(step)]) == 0
+    verify = ["verify", str(src), "--reference", str(step), "--logits", "--atol", str(LOGITS_ATOL)]
+    assert cli_main(verify) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    family: str,
 ) -> None:
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
@@ -113,7 +148,7 @@ def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
     from lightning_mcore_ckpt.hf import _reader
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
-    src = tiny_hf_model(tmp_path / "src", **MOE)
+    src = tiny_hf_model(tmp_path / "src", family, **MOE)
     ranks = run_distributed(_train, 2, str(tmp_path), 2, False, timeout=300)
     run = ranks[0]
     ckpt = tmp_path / "ckpt"
@@ -148,11 +183,13 @@ def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
     torch.testing.assert_close(run["logits_at_end"], end, rtol=0, atol=LOGITS_ATOL)
     with safe_open(str(exported / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    for layer in range(2):
-        assert f"model.layers.{layer}.mlp.shared_expert_gate.weight" in names
-        assert f"model.layers.{layer}.mlp.gate.weight" in names
-        for e in range(4):
-            assert f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight" in names
+    wanted = {
+        f"model.layers.{layer}.{name.format(e=e)}"
+        for layer in range(2)
+        for name in FAMILIES[family]
+        for e in range(4)
+    }
+    assert wanted <= names, sorted(wanted - names)
 
     # The command line's export of the step, with every tensor the reader returns recorded:
     # the same files, and never more than one expert of one layer in memory at once.
@@ -195,7 +232,7 @@ def test_moe_trained_with_ep2_exports_one_expert_at_a_time_and_matches_logits(
 def test_ep2_training_updates_experts_as_ep1_does(tmp_path: Path) -> None:
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
-    tiny_hf_model(tmp_path / "src", **MOE)
+    tiny_hf_model(tmp_path / "src", "qwen2_moe", **MOE)
     ep2 = run_distributed(_train, 2, str(tmp_path), 2, True, timeout=300)[0]
     ep1 = run_distributed(_train, 2, str(tmp_path), 1, True, timeout=300)[0]
     # The same data on 2 data-parallel ranks, experts split over them or replicated: the same
@@ -211,7 +248,7 @@ def test_moe_run_with_expert_parallelism_and_export_comes_from_yaml(tmp_path: Pa
     from lightning_mcore_ckpt import HFExport, MegatronCheckpoint, MegatronStrategy
     from lightning_mcore_ckpt.tiny import tiny_hf_model
 
-    src = tiny_hf_model(tmp_path / "src", **MOE)
+    src = tiny_hf_model(tmp_path / "src", "qwen2_moe", **MOE)
     config = yaml.safe_load(
         f"""
         strategy:

@@ -72,6 +72,9 @@ def test_install_does_nothing_when_cuda_is_available() -> None:
         assert _cpu.parallel_load_supported()
         assert _cpu.transformer_config_overrides() == {}
         assert _cpu.optimizer_metadata_overrides() == {}
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_local_spec()
+        assert _cpu.local_spec_norms(spec, None) is spec
         assert torch.zeros(1).type() == "torch.FloatTensor"
         from megatron.core.tensor_parallel import mappings, random
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -120,3 +123,33 @@ def test_cuda_type_strings_are_reported_only_inside_the_optimizers_checks() -> N
     assert torch.allclose(weight.grad, torch.full((3,), 0.5), atol=1e-5)
     assert weight.type() == "torch.FloatTensor"
     assert weight.type(torch.float64).dtype == torch.float64
+
+
+def test_local_spec_norms_allow_sequence_parallelism_and_mark_their_parameters() -> None:
+    # Megatron-Core's torch norm refuses sequence parallelism; the CPU runtime's builds the
+    # same torch module with its parameters marked for the sum over tensor-parallel ranks.
+    _cpu.install("cpu")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec()
+    config = TransformerConfig(
+        num_layers=3,
+        hidden_size=8,
+        num_attention_heads=2,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        persist_layer_norm=False,
+    )
+    block = _cpu.local_spec_norms(layer, config)
+
+    assert layer.submodules.input_layernorm is WrappedTorchNorm  # the given spec is unchanged
+    assert isinstance(block, TransformerBlockSubmodules)
+    assert len(block.layer_specs) == 3
+    norms = [block.layer_norm, *(s.submodules.input_layernorm for s in block.layer_specs)]
+    for build in norms:
+        norm = build(config=config, hidden_size=8, eps=1e-5)
+        assert type(norm) is torch.nn.LayerNorm
+        assert [getattr(p, "sequence_parallel", None) for p in norm.parameters()] == [True, True]

@@ -390,6 +390,29 @@ def _optimizer(
                 blocker=True,
             )
         )
+    elif sharding == "fully_reshardable" and "expert_model_parallel_size" in differs:
+        parts = meta.get("distributed_optimizer_parts")
+        if parts:
+            add(
+                Finding(
+                    "optimizer",
+                    f"EP {saved.get('expert_model_parallel_size', 1)} -> "
+                    f"{wanted.get('expert_model_parallel_size', 1)}: its inner optimizers "
+                    f"({parts}: dense and expert where 2) are mapped onto the target's by the "
+                    "parameters each one's groups held",
+                )
+            )
+        else:
+            add(
+                Finding(
+                    "optimizer",
+                    "saved before the parameters of each inner optimizer were recorded: its "
+                    "state cannot be mapped onto another expert-parallel size; resume with the "
+                    "saving layout and save a step again, or load the weights only "
+                    "(MegatronStrategy(init_from=...))",
+                    blocker=True,
+                )
+            )
     elif sharding not in (None, "dp_reshardable", "fully_reshardable"):
         add(Finding("optimizer", f"sharding type {sharding!r} cannot be loaded", blocker=True))
 

@@ -21,7 +21,9 @@ Its modules:
 - ``_rank_state``: one rank's whole state in one file (the fast tier's format): staged into
   reused host buffers, written, loaded back into the same layout.
 - ``_state_dicts`` (``TrainingState``: this rank's sharded state dicts), ``_collectives`` (rank
-  0's answer, an agreed failure).
+  0's answer, an agreed failure), ``_param_groups`` (a distributed optimizer's parameter groups
+  recorded by parameter at a save, mapped onto the live inner optimizers at a load: a step
+  saved with expert parallelism loads into another expert-parallel size).
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, A
         "write_time_s": record.write_time_s,
         **({"optimizer_sharding": record.optimizer_sharding} if record.optimizer_sharding else {}),
         **(
+            {"distributed_optimizer_parts": record.distributed_optimizer_parts}
+            if record.distributed_optimizer_parts
+            else {}
+        ),
+        **(
             {"max_staging_bytes": record.max_staging_bytes}
             if record.max_staging_bytes is not None
             else {}

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt import _compat, _cpu
-from lightning_mcore_ckpt.engine import _rank_state
+from lightning_mcore_ckpt.engine import _param_groups, _rank_state
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
 from lightning_mcore_ckpt.engine._parallel_reader import load_strategy, views_readable
 from lightning_mcore_ckpt.engine._records import LOADED_FROM_KEY
@@ -185,8 +185,15 @@ class CheckpointReader:
         own = directory / f"rank_{rank:05d}.pt"
         return own if own.is_file() else directory / "rank_00000.pt"
 
-    def check_shapes(self, model_dir: Path, state: TrainingState, *, trusted: bool = False) -> None:
-        """Name the first tensor whose shape differs between the checkpoint and the model."""
+    def check_shapes(
+        self, model_dir: Path, state: TrainingState, *, trusted: bool = False
+    ) -> list[str]:
+        """Refuse, on every rank, a checkpoint whose tensors do not fit the model, before any
+        is loaded (collective: each rank checks the keys it holds, and every rank learns of the
+        first refusal): a tensor of another shape, or a tensor the model will restore that the
+        step lacks. With ``LightningModule.strict_loading = False`` the missing ones are a
+        partial load on purpose: their keys are returned (and logged) to be left as they are.
+        """
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -198,22 +205,42 @@ class CheckpointReader:
         }
         ssd = state.model_sharded_state_dict()
         apply_factories(ssd)
+        missing: list[str] = []
+        problem: str | None = None
         for sh in nested_values(ssd):
             if not isinstance(sh, ShardedTensor):
                 continue
             want, got = tuple(sh.global_shape), saved.get(sh.key)
             if got is None:
-                raise ValueError(
-                    f"checkpoint {model_dir.parent} does not fit the model: it has no tensor "
-                    f"{sh.key!r} (shape {list(want)} in the model); load it into the model it "
-                    "was saved from (same attribute names and config)"
-                )
-            if got != want:
-                raise ValueError(
+                missing.append(sh.key)
+            elif got != want and problem is None:
+                problem = (
                     f"checkpoint {model_dir.parent} does not fit the model: {sh.key} has shape "
                     f"{list(got)} in the checkpoint but {list(want)} in the model; load it into "
                     "a model with the configuration it was saved with"
                 )
+        missing = sorted(set(missing))
+        if missing and problem is None and state.strict:
+            problem = (
+                f"checkpoint {model_dir.parent} does not fit the model: it has no "
+                f"{_keys(missing)}, which the model would restore; nothing was loaded. Load it "
+                "into the model it was saved from (same attribute names and config), or load "
+                "the rest on purpose and keep those tensors as the model initialised them: set "
+                "`strict_loading = False` on the LightningModule"
+            )
+        found = first_failure(problem, state.rank, state.device)
+        if found is not None:
+            raise ValueError(
+                found[1] if found[0] == state.rank else f"{found[1]} (rank {found[0]})"
+            )
+        if missing:
+            log.warning(
+                "rank %d: strict_loading=False: %s not in %s, left as initialised",
+                state.rank,
+                _keys(missing),
+                model_dir.parent,
+            )
+        return missing
 
     def load_weights(self, path: Path, state: TrainingState, *, trusted: bool = False) -> None:
         """Load ``path``'s ``model/`` into ``state.module``, resharded (collective).
@@ -225,11 +252,11 @@ class CheckpointReader:
 
         if not trusted:
             _safe_dcp.check_dist_checkpoint(path / MODEL_DIR)
-        self.check_shapes(path / MODEL_DIR, state, trusted=trusted)
+        left_out = set(self.check_shapes(path / MODEL_DIR, state, trusted=trusted))
 
         with views_readable():
             loaded = dist_checkpointing.load(
-                state.model_sharded_state_dict(),
+                _without_keys(state.model_sharded_state_dict(), left_out),
                 str(path / MODEL_DIR),
                 sharded_strategy=self._load_strategy(path / MODEL_DIR),
             )
@@ -270,8 +297,31 @@ class CheckpointReader:
                 str(directory),
                 sharded_strategy=self._load_strategy(directory),
             )
+        saved_groups = loaded.pop(_param_groups.RECORD_KEY, None)
+        if metadata["distrib_optim_sharding_type"] == "fully_reshardable":
+            self._regroup(loaded, saved_groups, state)
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         _rank_state.apply_optimizer_state(state, loaded, stateless)
+
+    @staticmethod
+    def _regroup(loaded: dict[str, Any], saved: Any, state: TrainingState) -> None:
+        """Give each live distributed optimizer group the saved group of its own parameters
+        (:mod:`._param_groups`; collective). A step written before the record has the live
+        structure (an expert-parallel change was refused before the load): Megatron-Core pairs
+        its groups itself."""
+        live = _param_groups.record(state.optimizers, state.model_sharded_state_dict())
+        if saved is None or live is None:
+            return
+        problem: str | None = None
+        try:
+            for name, groups in live.items():
+                opt = state.optimizers[int(name.rsplit("_", 1)[1])]
+                loaded[name] = _param_groups.regroup(loaded[name], opt, saved[name], groups)
+        except (KeyError, ValueError) as err:
+            problem = f"the optimizer state cannot be mapped onto this run's optimizer: {err}"
+        found = first_failure(problem, state.rank, state.device)
+        if found is not None:
+            raise ValueError(found[1])
 
     def load_rank_state(self, step: Path, state: TrainingState, *, trusted: bool = False) -> None:
         """Load this rank's file of a fast-tier step (:mod:`~._rank_state`) into ``state``'s
@@ -303,17 +353,94 @@ class CheckpointReader:
         return metadata
 
     def check_optimizer_layout(self, path: Path, state: TrainingState) -> None:
-        """Refuse, before any of the step is read, a distributed optimizer state that cannot
-        load into this layout (one saved ``dp_reshardable`` after a model-parallel change), as
-        the step's ``metadata.json`` records it. Local, and the same on every rank: they read
-        the same record. A step whose record does not name its sharding type is checked when
-        its optimizer is loaded (:meth:`load_optimizers`), from Megatron-Core's own record."""
-        if not distributed_optimizers(state.optimizers):
+        """Refuse, before any of the step is loaded, an optimizer state that cannot load into
+        this run (collective: every rank calls it, and every rank raises the same refusal).
+
+        From the step's ``metadata.json``: a distributed optimizer state saved
+        ``dp_reshardable`` after a model-parallel change, or saved ``fully_reshardable``
+        before this version recorded its parameter groups (:mod:`._param_groups`) after an
+        expert-parallel change. From ``optim/``'s index: every tensor this run's optimizers
+        will restore (each inner optimizer's moments and main parameters, dense and expert)
+        must be in the step. A step whose record does not name its sharding type is checked
+        when its optimizer is loaded (:meth:`load_optimizers`), from Megatron-Core's own record.
+        """
+        problem: str | None = None
+        try:
+            if distributed_optimizers(state.optimizers):
+                record = markers.read_metadata(path) or {}
+                sharding = record.get("optimizer_sharding")
+                if sharding is not None:
+                    saved_layout = record.get("parallel_layout")
+                    self._check_optimizer_layout(path, sharding, saved_layout, state)
+                self._check_optimizer_complete(path / OPTIM_DIR, state)
+            self._check_torch_optimizers_complete(path / OPTIM_DIR, state)
+        except ValueError as err:
+            problem = str(err)
+        found = first_failure(problem, state.rank, state.device)
+        if found is not None:
+            raise ValueError(
+                found[1] if found[0] == state.rank else f"{found[1]} (rank {found[0]})"
+            )
+
+    def _check_optimizer_complete(self, directory: Path, state: TrainingState) -> None:
+        """Raise, naming them, when tensors this rank's optimizers will restore are not in
+        ``directory`` (``optim/``). Reads its index only; changes no live tensor (a fresh
+        distributed optimizer's state is created as the load would create it)."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import (
+            ShardedObject,
+            ShardedTensor,
+            apply_factories,
+        )
+
+        for dist_opt in distributed_optimizers(state.optimizers):
+            if not dist_opt.optimizer.state:
+                _optim.init_state(dist_opt.optimizer)
+        metadata = self._optimizer_format(directory, state)
+        template = optimizer_sharded_state_dict(
+            state.optimizers, state.module, state.model_sharded_state_dict(), True, metadata
+        )
+        apply_factories(template)
+        saved = set(_safe_dcp.read_dcp_metadata(directory).state_dict_metadata)
+        missing = sorted(
+            {
+                sh.key if isinstance(sh, ShardedTensor) else sh.unique_key
+                for sh in nested_values(template)
+                if isinstance(sh, ShardedTensor | ShardedObject)
+                and (sh.key if isinstance(sh, ShardedTensor) else sh.unique_key) not in saved
+            }
+        )
+        if missing:
+            raise ValueError(
+                f"checkpoint {directory.parent}: its optimizer state has no {_keys(missing)}, "
+                "which this run's optimizer would restore; nothing was loaded. Load it into the "
+                "run that saved it, or load the weights only, on purpose, with a fresh optimizer "
+                f"from step 0: MegatronStrategy(init_from={str(directory.parent)!r}) and fit "
+                "without ckpt_path"
+            )
+
+    @staticmethod
+    def _check_torch_optimizers_complete(directory: Path, state: TrainingState) -> None:
+        """Raise, naming them, when a torch optimizer's state tensors are partly missing from
+        ``directory`` (``optim/``): a parameter whose ``exp_avg`` is there and ``exp_avg_sq`` is
+        not would otherwise fail inside Megatron-Core's load. From the index; changes nothing."""
+        from megatron.core.optimizer import MegatronOptimizer
+
+        torch_optimizers = [o for o in state.optimizers if not isinstance(o, MegatronOptimizer)]
+        if not torch_optimizers or not directory.is_dir():
             return
-        record = markers.read_metadata(path) or {}
-        sharding = record.get("optimizer_sharding")
-        if sharding is not None:
-            self._check_optimizer_layout(path, sharding, record.get("parallel_layout"), state)
+        saved = set(_safe_dcp.read_dcp_metadata(directory).state_dict_metadata)
+        model_ssd = state.model_sharded_state_dict()
+        missing = sorted(
+            {k for o in torch_optimizers for k in _optim.missing_state_keys(o, model_ssd, saved)}
+        )
+        if missing:
+            raise ValueError(
+                f"checkpoint {directory.parent}: its optimizer state has no {_keys(missing)}, "
+                "which this run's optimizer would restore; nothing was loaded. Load the weights "
+                "only, on purpose, with a fresh optimizer from step 0: "
+                f"MegatronStrategy(init_from={str(directory.parent)!r}) and fit without ckpt_path"
+            )
 
     @staticmethod
     def _check_optimizer_layout(
@@ -339,8 +466,24 @@ class CheckpointReader:
                     f"with ckpt_optimizer_sharding='dp_reshardable', which reshards across "
                     f"data-parallel sizes only ({what}); resume with the saving layout, or save "
                     "with MegatronStrategy(ckpt_optimizer_sharding='fully_reshardable') to "
-                    "change layouts"
+                    "change layouts, or load the weights only, with a fresh optimizer from "
+                    f"step 0: MegatronStrategy(init_from={str(path)!r}) and fit without ckpt_path"
                 )
+        ep = "expert_model_parallel_size"
+        if (
+            sharding == "fully_reshardable"
+            and saved_layout
+            and saved_layout.get(ep, 1) != state.parallel_layout.get(ep, 1)
+            and "distributed_optimizer_parts" not in (markers.read_metadata(path) or {})
+        ):
+            raise ValueError(
+                f"checkpoint {path}: its distributed optimizer state was saved at "
+                f"{ep}={saved_layout.get(ep, 1)} by a version that did not record which "
+                "parameters each inner optimizer held, so it cannot be mapped onto this run's "
+                f"{ep}={state.parallel_layout.get(ep, 1)}; resume with the saving layout and "
+                "save a step again, or load the weights only, with a fresh optimizer from step "
+                f"0: MegatronStrategy(init_from={str(path)!r}) and fit without ckpt_path"
+            )
 
     @staticmethod
     def _saved_stateless(
@@ -412,3 +555,26 @@ class CheckpointReader:
         # uninterrupted run did at the start of the epoch: the strategy re-applies this state
         # at the first resumed batch when it falls inside an epoch.
         return lightning, RNGState().state_dict()
+
+
+def _keys(keys: list[str], shown: int = 5) -> str:
+    """``keys`` named for a message: the first few, and how many more."""
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"tensor{'s' if len(keys) > 1 else ''} " + ", ".join(map(repr, keys[:shown])) + more
+
+
+def _without_keys(sharded_state_dict: dict[str, Any], keys: set[str]) -> dict[str, Any]:
+    """``sharded_state_dict`` without the sharded tensors of ``keys`` (a partial load)."""
+    if not keys:
+        return sharded_state_dict
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    def keep(value: Any) -> bool:
+        return not (isinstance(value, ShardedBase) and value.key in keys)
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if keep(v)}
+        return value
+
+    return strip(sharded_state_dict)

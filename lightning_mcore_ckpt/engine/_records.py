@@ -88,6 +88,11 @@ class SaveRecord:
     optimizer_sharding: OptimizerSharding | None = None
     """The sharding type a Megatron-Core distributed optimizer's state was saved with (``None``:
     no distributed optimizer in this save)."""
+    distributed_optimizer_parts: list[int] | None = None
+    """Per optimizer, how many inner distributed optimizers it holds (a ``ChainedOptimizer`` of
+    a dense and an expert one at EP > 1: 2; ``None``: no distributed optimizer). Recorded with
+    the parameters each inner optimizer's groups held (in ``optim/``), by which a step loads
+    into another expert-parallel size."""
     max_staging_bytes: int | None = None
     """The host bytes the save could stage at once (``MegatronStrategy(ckpt_max_staging_bytes)``;
     ``None``: unbounded, every tensor at once)."""

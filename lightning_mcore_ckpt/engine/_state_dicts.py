@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_ckpt import _cpu
+from lightning_mcore_ckpt.engine import _param_groups
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.training import optim as _optim
 
@@ -185,12 +186,19 @@ def optimizers_to_save(
     """The optimizers' sharded state dict for a save, the content metadata saved with it, and
     the distributed optimizer's sharding type for ``metadata.json`` (``None``: there is none).
 
-    Saving consumes the model's sharded dict: the optimizers are mapped onto a new one.
+    Saving consumes the model's sharded dict: the optimizers are mapped onto a new one. With a
+    distributed optimizer, the common state also records which parameters each of its groups
+    holds (:mod:`._param_groups`; collective).
     """
     metadata = megatron_optimizer_metadata(state.optimizer_sharding)
+    # Which parameters each distributed optimizer group holds (collective): a load in another
+    # layout (expert parallelism: other inner optimizers) maps the groups by parameter.
+    groups = _param_groups.record(state.optimizers, state.model_sharded_state_dict())
     ssd = optimizer_sharded_state_dict(
         state.optimizers, state.module, state.model_sharded_state_dict(), False, metadata
     )
+    if groups is not None:
+        ssd[_param_groups.RECORD_KEY] = groups
     sharding = state.optimizer_sharding if distributed_optimizers(state.optimizers) else None
     # Saved: the format only, not how this machine gathers it.
     content = {key: metadata[key] for key in _FORMAT_KEYS}

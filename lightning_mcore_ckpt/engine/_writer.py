@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt.engine import _collectives
+from lightning_mcore_ckpt.engine import _collectives, _param_groups
 from lightning_mcore_ckpt.engine._agreeing_save_strategy import save_strategy
 from lightning_mcore_ckpt.engine._collectives import (
     agree_on_failure,
@@ -291,6 +291,9 @@ class CheckpointWriter:
             "writer": self.writer if own else _compat.async_strategy(),
             "parallel_layout": state.parallel_layout,
             "optimizer_sharding": sharding,
+            "distributed_optimizer_parts": (
+                _param_groups.inner_counts(state.optimizers) if sharding else None
+            ),
             "max_staging_bytes": self.max_staging_bytes if own else None,
         }
 

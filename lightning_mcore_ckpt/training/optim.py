@@ -81,6 +81,39 @@ def _params_with_saved_state(
     ]
 
 
+def missing_state_keys(
+    optimizer: torch.optim.Optimizer,
+    model_sharded_state_dict: Mapping[str, Any],
+    saved_keys: Collection[str],
+) -> list[str]:
+    """The state tensors a load of ``saved_keys`` into ``optimizer`` would need and not find:
+    of every parameter whose state was saved, each kind of state (``exp_avg``, ``exp_avg_sq``,
+    ``step``, ``momentum_buffer``, ...) that the optimizer's other saved parameters have. A
+    parameter with no saved state at all had none when saved (frozen, or it never received a
+    gradient): it gets none, as :func:`init_state` makes it."""
+    prefix = "optimizer.state."
+    kinds_of: dict[str, set[str]] = {}
+    for key in saved_keys:
+        if key.startswith(prefix) and "." in key[len(prefix) :]:
+            kind, model_key = key[len(prefix) :].split(".", 1)
+            kinds_of.setdefault(model_key, set()).add(kind)
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, _params(optimizer))
+    held = [
+        model_key
+        for sharded in id_map.values()
+        for model_key in sorted(_built_keys(sharded))
+        if model_key in kinds_of
+    ]
+    kinds = set().union(*(kinds_of[k] for k in held)) if held else set()
+    return sorted(
+        f"{prefix}{kind}.{model_key}"
+        for model_key in held
+        for kind in sorted(kinds - kinds_of[model_key])
+    )
+
+
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 

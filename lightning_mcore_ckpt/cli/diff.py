@@ -1,9 +1,11 @@
 """``lightning-mcore-ckpt diff``: what differs between two steps, tensor by tensor.
 
-The steps may have been saved in different layouts (TP/PP/DP): tensors are compared whole,
+The steps may have been saved in different layouts (TP/PP/DP/EP): tensors are compared whole,
 as the checkpoint's global tensors, read straight from each step's dist-checkpoint on one
-process without a process group. Memory stays bounded: each tensor is read in slices of whole
-rows (``chunk_bytes`` per step at a time), never a whole model.
+process without a process group. A mixture of experts saves each routed expert weight as one
+tensor of every expert, whichever rank held which expert; it is read one expert at a time, and a
+difference names the experts it is in. Memory stays bounded: each tensor is read in slices of
+whole rows (``chunk_bytes`` per step at a time), never a whole model.
 
 Example::
 
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +62,10 @@ class TensorDiff:
     max_rel: float = 0.0
     """``max_abs`` relative to the largest ``|a|`` of the tensor (0 when ``a`` is all zeros
     and so is the difference)."""
+    experts: list[str] = field(default_factory=list)
+    """For a mixture of experts' routed expert weight (one tensor of every expert): the experts
+    that differ, each by its parameter's name in a model with every expert on one process
+    (``decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight``: layer 1, expert 3)."""
 
 
 @dataclass
@@ -99,30 +107,59 @@ class StepDiff:
         }
 
 
-def _rows(md: Any, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-    """``(first row, rows)`` slices of a tensor along its first axis, ``chunk_bytes`` each."""
+_EXPERTS = re.compile(r"(?P<head>.*decoder\.layers\.)(?P<layer>\d+\.)?mlp\.experts\.experts\.")
+"""A routed expert weight: ``experts.experts.<weight>`` of every layer (a GPT model stacks the
+layers on the first axis, the experts on the second) or of one layer (a hybrid model: the
+experts on the first axis)."""
+
+
+def _expert_axes(match: re.Match[str] | None) -> int:
+    """How many leading axes index one expert (layer and expert, or expert): 0 when ``match``
+    (of :data:`_EXPERTS` in a key) is None, not an expert weight."""
+    return 0 if match is None else 1 if match["layer"] else 2
+
+
+def _expert_name(key: str, match: re.Match[str], index: tuple[int, ...]) -> str:
+    """The name of one expert's weight (``index``: its leading axes) in a model that holds
+    every expert: ``...decoder.layers.<l>.mlp.experts.local_experts.<e>.<weight>``."""
+    layer = match["layer"] or f"{index[0]}."
+    return f"{match['head']}{layer}mlp.experts.local_experts.{index[-1]}.{key[match.end() :]}"
+
+
+def _blocks(
+    md: Any, chunk_bytes: int, whole_axes: int
+) -> Iterator[tuple[tuple[int, ...], list[int], list[int]]]:
+    """``(index, offsets, sizes)`` of the blocks a tensor is read in: one index at a time along
+    its first ``whole_axes`` axes (one expert of one layer), then slices of whole rows along
+    the next axis, ``chunk_bytes`` each (all of a 0-d tensor)."""
     import torch
 
     shape = list(md.size)
     if not shape:
-        yield 0, 0
+        yield (), [], []
         return
-    row = math.prod(shape[1:]) * torch.empty((), dtype=md.properties.dtype).element_size()
-    step = max(1, chunk_bytes // max(1, row))
-    for start in range(0, shape[0], step):
-        yield start, min(step, shape[0] - start)
+    lead, rest = shape[:whole_axes], shape[whole_axes:]
+    itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+    step = max(1, chunk_bytes // max(1, math.prod(rest[1:]) * itemsize)) if rest else 1
+    for index in itertools.product(*(range(n) for n in lead)):
+        ones = [1] * len(index)
+        if not rest:
+            yield index, list(index), ones
+            continue
+        for start in range(0, rest[0], step):
+            rows = min(step, rest[0] - start)
+            tail = [0] * (len(rest) - 1)
+            yield index, [*index, start, *tail], [*ones, rows, *rest[1:]]
 
 
-def _read(reader: Any, key: str, md: Any, start: int, rows: int) -> torch.Tensor:
-    """Rows ``start:start+rows`` of a checkpoint tensor (all of a 0-d one)."""
+def _read(reader: Any, key: str, md: Any, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    """The block of a checkpoint tensor at ``offsets`` of ``sizes`` (all of a 0-d one)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     from lightning_mcore_ckpt.hf._reader import SlicePlanner
 
-    shape = list(md.size)
-    sizes = [rows, *shape[1:]] if shape else []
     out = torch.empty(sizes, dtype=md.properties.dtype)
 
     class Rows(SlicePlanner):  # type: ignore[misc]
@@ -133,7 +170,6 @@ def _read(reader: Any, key: str, md: Any, start: int, rows: int) -> torch.Tensor
                 create_read_items_for_chunk_list,
             )
 
-            offsets = [start] + [0] * (len(shape) - 1) if shape else []
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             items = [
                 dataclasses.replace(
@@ -155,18 +191,21 @@ def _read(reader: Any, key: str, md: Any, start: int, rows: int) -> torch.Tensor
     return out
 
 
-def _compare(a: torch.Tensor, b: torch.Tensor, found: TensorDiff, scale: list[float]) -> None:
+def _compare(a: torch.Tensor, b: torch.Tensor, found: TensorDiff, scale: list[float]) -> int:
+    """Add one block's differences to ``found``; the elements of the block that differ."""
     import torch
 
     x, y = a.double(), b.double()
     both_nan = torch.isnan(x) & torch.isnan(y)
     unequal = (x != y) & ~both_nan
-    found.differing += int(unequal.sum())
+    differing = int(unequal.sum())
+    found.differing += differing
     if found.differing:
         delta = (x - y).abs().masked_fill(both_nan, 0.0)
         found.max_abs = max(found.max_abs, float(delta.max()))
     if x.numel():
         scale[0] = max(scale[0], float(x.abs().masked_fill(torch.isnan(x), 0.0).max()))
+    return differing
 
 
 def _diff_part(a: Path, b: Path, part: str, chunk_bytes: int, result: StepDiff) -> None:
@@ -187,8 +226,14 @@ def _diff_part(a: Path, b: Path, part: str, chunk_bytes: int, result: StepDiff) 
             continue
         found = TensorDiff(key, part, shape_a, str(dtype_a)[6:], math.prod(shape_a))
         scale = [0.0]
-        for start, rows in _rows(ma, chunk_bytes):
-            _compare(_read(ra, key, ma, start, rows), _read(rb, key, mb, start, rows), found, scale)
+        expert = _EXPERTS.search(key)
+        for index, offsets, sizes in _blocks(ma, chunk_bytes, _expert_axes(expert)):
+            block_a = _read(ra, key, ma, offsets, sizes)
+            differing = _compare(block_a, _read(rb, key, mb, offsets, sizes), found, scale)
+            if differing and expert is not None:
+                name = _expert_name(key, expert, index)
+                if name not in found.experts:
+                    found.experts.append(name)
         found.max_rel = found.max_abs / scale[0] if scale[0] else 0.0
         result.tensors.append(found)
 
@@ -266,6 +311,8 @@ def _diff(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"differs:   {t.part}/{t.key} {t.shape} {t.dtype}: {t.differing} of {t.numel} "
             f"elements, max |a-b| {t.max_abs:.6g} ({t.max_rel:.3g} of max |a|)"
         )
+        for name in t.experts:
+            print(f"  in expert {name}")
     print(
         f"compared {len(result.tensors)} tensors: {len(result.differing)} differ"
         + ("; identical" if result.identical else "")

@@ -19,11 +19,12 @@ __all__ = ["Divergence", "compare_finals", "compare_timelines", "describe_stream
 
 Timeline = Sequence[Mapping[str, Any]]
 
-_STATE = ("weights", "optimizer", "scheduler")
+_STATE = ("weights", "buffers", "optimizer", "scheduler")
 _LABELS = {
     "loop": "loop counters",
     "data": "data order",
     "weights": "weights",
+    "buffers": "model buffers (e.g. an MoE router's expert_bias)",
     "optimizer": "optimizer state",
     "scheduler": "LR scheduler state",
     "loss": "loss",

@@ -8,8 +8,9 @@
 - ``data``: a fingerprint of every sample of the batch this rank received;
 - ``rng``: a digest of every RNG stream as ``training_step`` starts (Python, NumPy, torch CPU,
   each CUDA device, each stream of Megatron-Core's RNG tracker);
-- ``weights``, ``optimizer``, ``scheduler``: digests of this rank's parameters, optimizer state
-  and LR scheduler state as the batch starts;
+- ``weights``, ``buffers``, ``optimizer``, ``scheduler``: digests of this rank's parameters,
+  its persistent buffers (what a checkpoint holds besides parameters, e.g. an MoE router's
+  ``expert_bias``, dtype included), optimizer state and LR scheduler state as the batch starts;
 - ``loss``: the training loss, bit for bit (``float.hex``), and whether the optimizer stepped.
 
 At the end of ``fit`` it writes ``final_rank_<r>.json`` with the same digests after the last
@@ -141,9 +142,21 @@ def _optimizer_state(optimizer: Any) -> Any:
     ]
 
 
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every buffer a ``state_dict`` holds (non-persistent ones, such as per-batch counters,
+    are not state), by name."""
+    found = []
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                found.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return sorted(found, key=lambda item: item[0])
+
+
 def _state_digests(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, str]:
     return {
         "weights": digest([p for _, p in sorted(module.named_parameters())]),
+        "buffers": digest([[n, b] for n, b in _persistent_buffers(module)]),
         "optimizer": digest([_optimizer_state(o) for o in trainer.optimizers]),
         "scheduler": digest(
             [

@@ -74,6 +74,37 @@ def test_one_gpu_resumes_exactly(tmp_path: Path, cell: tuple[Any, ...]) -> None:
     assert "torch_cuda" not in str(metadata)  # RNG lives in extra/, per rank
 
 
+@pytest.mark.parametrize("router", ["aux_loss", "expert_bias"])
+def test_one_gpu_moe_resumes_exactly(tmp_path: Path, router: str) -> None:
+    # A mixture of experts (EP=1: every expert on the one GPU) in Megatron-Core's bf16 with the
+    # distributed optimizer (a chain of a dense and an expert optimizer), a warmup + cosine
+    # schedule; the router's fp32 expert_bias stays fp32 and is restored (the probe digests
+    # every persistent buffer with its dtype).
+    import _jobs
+
+    report = check_resume(
+        functools.partial(
+            _jobs.build,
+            layout="1",
+            accelerator="gpu",
+            optimizer="distributed",
+            optimizer_sharding="fully_reshardable",
+            precision="megatron-bf16",
+            async_save=True,
+            router=router,
+            scheduler="warmup_cosine",
+            steps_per_epoch=4,
+        ),
+        stop_at=3,
+        max_steps=6,
+        how=("sigterm", "kill"),
+        world_size=1,
+        workdir=tmp_path / "work",
+        check_determinism=False,
+    )
+    assert report.exact, str(report)
+
+
 # (async save, ckpt_max_staging_bytes): unbounded; bounded below the tiny model's largest tensor
 # (bucket after bucket through one pinned ring); a sync save, bounded (device tensors are copied
 # to the host in a sync save too).

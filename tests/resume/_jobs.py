@@ -95,6 +95,14 @@ class JobModule(TinyGPTModule):
         else:
             # Megatron DDP holds only the trainable parameters: "trainable_only" is implied.
             optimizer = super().configure_optimizers()["optimizer"]
+        if self.scheduler_interval == "warmup_cosine":
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {
+                    "scheduler": _warmup_cosine(optimizer, self.lr),
+                    "interval": "step",
+                },
+            }
         step_size = 2 if self.scheduler_interval == "step" else 1
         scheduler = step_lr(optimizer, step_size=step_size, gamma=0.5)
         return {
@@ -103,11 +111,74 @@ class JobModule(TinyGPTModule):
         }
 
 
+def _warmup_cosine(optimizer: Any, lr: float) -> Any:
+    """Megatron-Core's OptimizerParamScheduler over every inner optimizer: 2 steps of linear
+    warmup, then cosine decay to a tenth, and weight decay growing linearly (a Megatron-LM
+    user's schedule)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from lightning_mcore_ckpt.training.schedules import MegatronParamScheduler
+
+    schedule = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=lr / 10,
+        lr_warmup_steps=2,
+        lr_decay_steps=8,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.02,
+        wd_incr_steps=8,
+        wd_incr_style="linear",
+    )
+    return MegatronParamScheduler(schedule)
+
+
 class HybridJobModule(JobModule, TinyHybridModule):  # type: ignore[misc]
     """The same job training Megatron-Core's HybridModel (attention and MLP layers, ``"*-*-"``)."""
 
 
 MODELS = {"gpt": JobModule, "hybrid": HybridJobModule}
+
+MOE = {
+    "num_moe_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 64,
+    "moe_token_dispatcher_type": "alltoall",
+    # As MoE models are published (Qwen, DeepSeek, Mixtral); Megatron-Core also builds
+    # expert-tensor-parallel and shared experts without biases only.
+    "add_bias_linear": False,
+}
+"""A mixture of experts in every layer: 4 experts, 2 routed per token."""
+
+ROUTERS: dict[str, dict[str, Any]] = {
+    # The auxiliary load-balancing loss (added to the router's gradient by Megatron-Core).
+    "aux_loss": {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-2},
+    # Aux-loss-free balancing: an fp32 expert_bias buffer, updated after each global batch
+    # outside the optimizer (Megatron-Core accepts it with the sigmoid score function only).
+    "expert_bias": {
+        "moe_router_enable_expert_bias": True,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_load_balancing_type": "none",
+        "moe_router_bias_update_rate": 1e-2,
+    },
+    # A shared expert beside the routed ones (Megatron-Core builds it without biases).
+    "shared_expert": {
+        "moe_shared_expert_intermediate_size": 64,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+    },
+    # Token dropping: each expert takes at most its capacity, the lowest-probability tokens
+    # are dropped.
+    "capacity": {
+        "moe_expert_capacity_factor": 1.0,
+        "moe_token_drop_policy": "probs",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+    },
+}
+"""The router features users turn on, each as ``TransformerConfig`` fields."""
 
 
 def _strategy_class(broken: str) -> Any:
@@ -189,6 +260,10 @@ def build(
     unsaved_state: bool = False,
     clock_seed: bool = False,
     model: str = "gpt",
+    ep: int = 1,
+    etp: int | None = None,
+    router: str | None = None,
+    sequence_parallel: bool = False,
 ) -> Any:
     import tempfile
 
@@ -198,6 +273,8 @@ def build(
     world = 1 if layout == "1" else 2
     tp = 2 if layout == "tp2" else 1
     pp = 2 if layout == "pp2" else 1
+    # MoE with tensor parallelism needs sequence parallelism (Megatron-Core refuses it otherwise).
+    sequence_parallel = sequence_parallel or (router is not None and tp > 1)
     dp = world // (tp * pp)
     num_samples = steps_per_epoch * accumulate * BATCH * dp
     callback_kwargs: dict[str, Any] = {}
@@ -227,6 +304,9 @@ def build(
     strategy = _strategy_class(broken)(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sequence_parallel,
         ckpt_async_save=async_save,
         ckpt_optimizer_sharding=optimizer_sharding,
     )
@@ -256,6 +336,7 @@ def build(
         dropout=0.1,
         optimizer=optimizer,
         megatron_bf16=precision == "megatron-bf16",
+        transformer_config=None if router is None else {**MOE, **ROUTERS[router]},
     )
     val = _loader("stateful0", 4) if "limit_val_batches" in trainer_kwargs else None
     if data == "datamodule":

@@ -42,3 +42,31 @@ class FailingGPTModule(TinyGPTModule):
         if self.fail_in == "resume":
             self._fail("on_load_checkpoint")
         super().on_load_checkpoint(checkpoint)
+
+
+class RouterStateGPTModule(TinyGPTModule):
+    """A mixture of experts whose module adds router state of its own and forgets to save it:
+    a per-expert scale of each router's probabilities, kept in a non-persistent buffer (no
+    checkpoint holds it), moved after every optimizer step. A resumed run starts it afresh."""
+
+    def configure_model(self) -> None:
+        import torch
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        super().configure_model()
+        for module in self.modules():
+            if isinstance(module, TopKRouter) and not hasattr(module, "user_scale"):
+                experts = module.config.num_moe_experts
+                module.register_buffer("user_scale", torch.ones(experts), persistent=False)
+                module.register_forward_hook(_scale_probs)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        for module in self.modules():
+            scale = getattr(module, "user_scale", None)
+            if scale is not None:
+                scale.mul_(1.05)
+
+
+def _scale_probs(module: Any, inputs: Any, output: Any) -> Any:
+    probs, routing_map = output
+    return probs * module.user_scale.to(probs.dtype), routing_map

@@ -182,7 +182,7 @@ def finalize_grads(
 ) -> None:
     """Average gradients over the data-parallel group (MoE experts' over the expert
     data-parallel group: expert-parallel ranks hold different experts); sum sequence-parallel
-    norms over TP.
+    norms, and the query/key norms of ``qk_layernorm``, over TP.
 
     With Megatron-Core ``DistributedDataParallel`` chunks in ``model``, Megatron's own
     ``finalize_model_grads`` does it instead. ``sequence_parallel`` means sequence parallelism
@@ -198,7 +198,8 @@ def finalize_grads(
         finalize_model_grads(chunks)
         _compat.reset_router_token_counts(chunks)  # after its expert-bias update
         return
-    params = [p for p in model.parameters() if p.grad is not None]
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    params = [p for _, p in named]
     grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
@@ -217,11 +218,19 @@ def finalize_grads(
             torch._foreach_mul_(experts, 1.0 / dp_size)
     if pipeline_parallel:
         _all_reduce_tied_embedding_grads(megatron_modules(model))
-    if sequence_parallel:
-        sp = [
-            g for p, g in zip(params, grads, strict=True) if getattr(p, "sequence_parallel", False)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(tp_group) > 1:
+        # As Megatron-Core's finalize_model_grads: each TP rank's gradient of a replicated norm
+        # covers only its part of the sequence (sequence parallelism) or of the heads (the
+        # query/key norms of qk_layernorm): summed over TP.
+        summed = [
+            g
+            for (name, p), g in zip(named, grads, strict=True)
+            if (sequence_parallel and getattr(p, "sequence_parallel", False))
+            or ".q_layernorm." in f".{name}"
+            or ".k_layernorm." in f".{name}"
         ]
-        _all_reduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+        _all_reduce_flat(summed, tp_group)
     _update_expert_bias(model)
 
 

@@ -115,7 +115,10 @@ def tiny_gpt(
         # MoE layers where the config has experts (num_moe_experts): Megatron-Core's
         # SequentialMLP of local experts, no grouped GEMM (a Transformer Engine kernel).
         transformer_layer_spec=_cpu.local_spec_norms(
-            get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), cfg
+            get_gpt_layer_local_spec(
+                num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
+            ),
+            cfg,
         ),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,

@@ -176,3 +176,28 @@ def test_moe_tp2_without_sequence_parallelism_is_refused_at_setup(tmp_path: Path
     assert "num_moe_experts=4" in message
     assert "MegatronStrategy(sequence_parallel=True)" in message
     assert "a training step started" not in message
+
+
+def _qk_norms(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    module = TinyGPTModule(dropout=0.0, transformer_config={"qk_layernorm": True})
+    trainer = make_trainer(3, MegatronStrategy(tensor_model_parallel_size=2), world_size)
+    trainer.fit(module, train_dataloaders=loader(6, 2))
+    return {
+        name: p.detach().clone()
+        for name, p in module.named_parameters()
+        if "q_layernorm" in name or "k_layernorm" in name
+    }
+
+
+def test_query_and_key_norms_stay_identical_on_every_tp_rank_with_a_torch_optimizer() -> None:
+    # qk_layernorm (Qwen3's): each TP rank's gradient of the query/key norms covers only its
+    # heads; summed over TP, as Megatron-Core's finalize_model_grads does, they stay equal.
+    ranks = run_distributed(_qk_norms, 2, timeout=300)
+    assert len(ranks[0]) == 2 * 2 * 2, sorted(ranks[0])  # q and k norms, weight and bias, 2 layers
+    for name, weight in ranks[0].items():
+        assert torch.equal(weight, ranks[1][name]), name

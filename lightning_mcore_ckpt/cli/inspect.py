@@ -7,6 +7,11 @@ the ``extra/`` files (RNG and Lightning's state: a few KB per rank) and the Hugg
 (:func:`spec_from_config`, for ``--config``) is built on the meta device (no weights). Whether
 the step's files are whole is ``fsck``'s question, not this one's.
 
+The splits Megatron-Core asserts when it builds the model with the target sizes (layers / PP,
+heads / TP, experts / EP...) are :mod:`~lightning_mcore_ckpt.cli.splits`'s, on the dimensions of
+the ``--config`` model or else of the step's shapes; what neither tells is listed in
+:attr:`Inspection.unchecked`.
+
 Every finding is a :class:`Finding`; a blocker (``blocker=True``) says what would fail or go
 wrong, and how to fix it (see :func:`inspect_step`).
 """
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt import _compat
+from lightning_mcore_ckpt.cli import splits
 from lightning_mcore_ckpt.cli.failure import fail
 from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
@@ -48,6 +54,8 @@ SIZES = (
 )
 """The parallel sizes of a layout, as ``metadata.json``'s ``parallel_layout`` names them."""
 _MODEL_PARALLEL = SIZES[:4]
+_ETP = "expert_tensor_parallel_size"
+"""Recorded (and kept in a layout here) only where it differs from the tensor-parallel size."""
 
 
 @dataclass
@@ -89,6 +97,8 @@ class Inspection:
     saved_layout: dict[str, int]
     target_layout: dict[str, int]
     findings: list[Finding] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    """The checks it could not make (what the step does not record; ``--config`` gives most)."""
 
     @property
     def blockers(self) -> list[Finding]:
@@ -101,6 +111,7 @@ class Inspection:
             "target_layout": self.target_layout,
             "loadable": not self.blockers,
             "findings": [dataclasses.asdict(f) for f in self.findings],
+            "unchecked": self.unchecked,
         }
 
 
@@ -125,8 +136,13 @@ def inspect_step(
             f"{path} is not a committed step ({markers.METADATA_FILE} missing or unreadable); "
             "`lightning-mcore-ckpt ls` lists a run's complete steps"
         )
-    saved = {k: int(v) for k, v in (meta.get("parallel_layout") or {}).items() if k in SIZES}
-    wanted = {**saved, **{k: int(v) for k, v in (target or {}).items() if v is not None}}
+    recorded = meta.get("parallel_layout") or {}
+    saved = {k: int(v) for k, v in recorded.items() if k in (*SIZES, _ETP)}
+    given = {k: int(v) for k, v in (target or {}).items() if v is not None}
+    wanted = {**saved, **given}
+    for sizes in (saved, wanted):
+        if sizes.get(_ETP) == sizes.get("tensor_model_parallel_size", 1):
+            del sizes[_ETP]
     report = Inspection(path, saved, wanted)
     add = report.findings.append
     _format_and_versions(path, meta, add)
@@ -140,7 +156,7 @@ def inspect_step(
     )
     contents = meta.get("contents") or ["model"]
     if "model" in contents:
-        _model(path, wanted, model, add)
+        _model(path, wanted, model, add, report.unchecked.append)
     if "optimizer" in contents:
         _optimizer(path, meta, saved, wanted, add)
     if "extra" in contents:
@@ -170,7 +186,7 @@ def spec_from_config(config: str | os.PathLike[str]) -> tuple[ModelSpec, dict[st
 def _config_layout(trainer: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, int]:
     """The layout a config trains with: its strategy's sizes, and the data-parallel size its
     devices and nodes leave."""
-    target = {k: int(v) for k, v in options.items() if k in SIZES}
+    target = {k: int(v) for k, v in options.items() if k in (*SIZES, _ETP) and v is not None}
     devices = trainer.get("devices", 1)
     devices = len(devices) if isinstance(devices, list) else devices
     if isinstance(devices, int) and not isinstance(devices, bool):
@@ -237,7 +253,8 @@ def _short(name: str) -> str:
 
 
 def _describe(sizes: Mapping[str, int]) -> str:
-    return " ".join(f"{_short(k)}={sizes.get(k, 1)}" for k in SIZES)
+    etp = f" ETP={sizes[_ETP]}" if _ETP in sizes else ""
+    return " ".join(f"{_short(k)}={sizes.get(k, 1)}" for k in SIZES) + etp
 
 
 def _format_and_versions(path: Path, meta: dict[str, Any], add: Any) -> None:
@@ -256,7 +273,9 @@ def _format_and_versions(path: Path, meta: dict[str, Any], add: Any) -> None:
             add(Finding("versions", f"{name} {wrote[name]} wrote it; {same}"))
 
 
-def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: Any) -> None:
+def _model(
+    path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: Any, skip: Any
+) -> None:
     index = _safe_dcp.read_dcp_metadata(path / layout.MODEL_DIR)
     saved = {
         key: (tuple(md.size), str(md.properties.dtype).replace("torch.", ""))
@@ -285,9 +304,76 @@ def _model(path: Path, wanted: Mapping[str, int], model: ModelSpec | None, add: 
                     blocker=True,
                 )
             )
+    split = _splits(path, saved, wanted, model, add, skip)
     if model is not None:
         _against_model(saved, model, add)
-        _against_configs(model, wanted, add)
+        if split:  # else Megatron-Core's own config check, for anything the rules miss
+            _against_configs(model, wanted, add)
+
+
+def _splits(
+    path: Path,
+    saved: Mapping[str, tuple[tuple[int, ...], str]],
+    wanted: Mapping[str, int],
+    model: ModelSpec | None,
+    add: Any,
+    skip: Any,
+) -> bool:
+    """Every split Megatron-Core asserts when it builds the model with the target sizes
+    (:mod:`~lightning_mcore_ckpt.cli.splits`), on the dimensions of the model (``--config``)
+    or else of the step; whether all hold."""
+    keys = model.keys if model is not None else saved
+    shapes = splits.shape_from_keys({k: shape for k, (shape, _) in keys.items()})
+    hf_config = path / layout.HF_DIR / "config.json"
+    if hf_config.is_file():
+        hf = json.loads(hf_config.read_text())
+        shapes = [splits.shape_from_hf_config(s, hf) for s in shapes]
+    if model is not None and model.configs:
+        shapes = [splits.shape_from_config(s, model.configs[0]) for s in shapes]
+    if not shapes:
+        skip(
+            "the model's splits against the layout (layers, heads, FFN, experts): no "
+            f"Megatron-Core GPT model (no '{splits.EMBEDDING}') in the step"
+        )
+    sizes = splits.SplitSizes.of(wanted)
+    holds = True
+    for shape in shapes:
+        problems = splits.check_splits(shape, sizes)
+        for problem in problems:
+            add(
+                Finding(
+                    "layout",
+                    f"{shape.prefix!r} cannot be built with {_describe(wanted)}: {problem}",
+                    blocker=True,
+                )
+            )
+        holds = holds and not problems
+        if not problems:
+            add(
+                Finding(
+                    "layout", f"{shape.prefix!r} splits into {_describe(wanted)}: {_dims(shape)}"
+                )
+            )
+        for what in splits.unknown_dimensions(shape):
+            skip(f"{shape.prefix!r}: {what}")
+    if any(not s.from_config for s in shapes):
+        skip(splits.UNCHECKED_WITHOUT_CONFIG)
+    return holds
+
+
+def _dims(shape: splits.ModelShape) -> str:
+    """The dimensions a split was checked on, by their ``TransformerConfig`` names."""
+    names = (
+        "num_layers",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "num_moe_experts",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+    )
+    known = [(n, getattr(shape, n)) for n in names if getattr(shape, n) is not None]
+    return ", ".join(f"{name}={size}" for name, size in known) or "no dimension known"
 
 
 def _against_model(
@@ -328,6 +414,7 @@ def _against_model(
 def _against_configs(model: ModelSpec, wanted: Mapping[str, int], add: Any) -> None:
     """Whether the model's Megatron-Core configs take the target model-parallel sizes."""
     sizes = {k: wanted.get(k, 1) for k in _MODEL_PARALLEL}
+    sizes[_ETP] = splits.SplitSizes.of(wanted).etp
     for config in model.configs:
         try:
             dataclasses.replace(config, **sizes)
@@ -582,11 +669,18 @@ def add_parsers(commands: Any) -> None:
         help="will a step load into a layout and a model? From metadata only, in seconds",
         description="Answer, from a step's metadata (no tensor data), on one CPU process: "
         "whether it loads into the target layout and the model a config builds (missing, "
-        "unexpected, renamed and reshaped keys, sizes the model cannot be split into), its "
-        "optimizer state and whether it reshards there, which ranks have dataloader and RNG "
-        "state and what a data-parallel change does to them, the versions that wrote it, and "
-        "the Hugging Face copy against its config. Exit code 1 on any blocker, each with its "
-        "fix; 0 when it loads.",
+        "unexpected, renamed and reshaped keys), its optimizer state and whether it reshards "
+        "there, which ranks have dataloader and RNG state and what a data-parallel change does "
+        "to them, the versions that wrote it, and the Hugging Face copy against its config. "
+        "The splits Megatron-Core asserts when it builds the model: layers against PP (an even "
+        "split; with --config also virtual pipeline stages, uneven first/last stages and the "
+        "embedding/loss counted as layers), attention heads and query groups against TP, the "
+        "FFN and shared-expert sizes against TP, the vocabulary against TP, experts against EP, "
+        "the experts' FFN size (and biases) against expert TP. Without --config the model's "
+        "dimensions come from the step's tensor shapes; the heads only where query/key norms or "
+        "huggingface/config.json give them, and the pipeline options not at all: what could "
+        "not be checked is listed ('skipped', and 'unchecked' in --json). Exit code 1 on any "
+        "blocker, each with its fix; 0 when it loads.",
     )
     inspect.add_argument("step", help="a step directory (global_step_<N>/)")
     inspect.add_argument(
@@ -600,10 +694,12 @@ def add_parsers(commands: Any) -> None:
         ("--pp", "pipeline_model_parallel_size"),
         ("--cp", "context_parallel_size"),
         ("--ep", "expert_model_parallel_size"),
+        ("--etp", _ETP),
         ("--dp", "data_parallel_size"),
     ):
+        default = "as saved, else the target TP" if size == _ETP else "as saved"
         inspect.add_argument(
-            flag, dest=size, type=int, metavar="N", help=f"target {size} (default: as saved)"
+            flag, dest=size, type=int, metavar="N", help=f"target {size} (default: {default})"
         )
     inspect.add_argument("--json", action="store_true", help="print the findings as JSON")
     inspect.set_defaults(handler=_inspect)
@@ -612,14 +708,14 @@ def add_parsers(commands: Any) -> None:
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     target: dict[str, int] = {}
     spec = None
-    for size in SIZES:
+    for size in (*SIZES, _ETP):
         value = getattr(args, size)
         if value is not None and value < 1:
             return fail(f"--{size}: {value} is not a positive size")
     try:
         if args.config is not None:
             spec, target = spec_from_config(args.config)
-        target.update({s: getattr(args, s) for s in SIZES if getattr(args, s)})
+        target.update({s: getattr(args, s) for s in (*SIZES, _ETP) if getattr(args, s)})
         report = inspect_step(args.step, target, spec)
     except (FileNotFoundError, ValueError) as err:
         return fail(err)
@@ -629,6 +725,13 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for finding in report.findings:
             mark = "BLOCKER" if finding.blocker else "ok     "
             print(f"{mark} [{finding.topic}] {finding.message}")
+        for what in report.unchecked:
+            print(f"skipped [layout] not checked: {what}")
         blockers = len(report.blockers)
-        print(f"FAILED: {blockers} blocker(s)" if blockers else "OK: it loads")
+        skipped = f" (as far as checked: {len(report.unchecked)} check(s) skipped)"
+        print(
+            f"FAILED: {blockers} blocker(s)"
+            if blockers
+            else "OK: it loads" + (skipped if report.unchecked else "")
+        )
     return 1 if report.blockers else 0

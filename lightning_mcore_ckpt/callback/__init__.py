@@ -7,7 +7,8 @@
 - ``startup``: the checks and the locks when a run starts;
 - ``nodes``: which ranks share a directory (one per job, or one per node);
 - ``fast_tier``: ``FastTierRun``, the fast tier during one fit (its saves, their figures, the
-  recovery of ``"last"``);
+  recovery of ``"last"``); ``fast_records``: ``FastRecords``, its record of saves and
+  recoveries (``fast_tier.jsonl``), in the persistent tier;
 - ``_loops``: Lightning's loop state at a save and a resume;
 - ``bookkeeping``: Lightning's best/last bookkeeping for steps that commit later or fail;
 - ``legacy_state``: the callback's state in a step of the previous release;

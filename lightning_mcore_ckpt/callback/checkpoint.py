@@ -39,7 +39,8 @@ from lightning_mcore_ckpt.callback._config import (
 )
 from lightning_mcore_ckpt.callback._intent import monitor_entry
 from lightning_mcore_ckpt.callback._tier import tiers_of
-from lightning_mcore_ckpt.callback.fast_tier import RECORDS, FastTierRun
+from lightning_mcore_ckpt.callback.fast_records import FastRecords
+from lightning_mcore_ckpt.callback.fast_tier import FastTierRun
 from lightning_mcore_ckpt.callback.legacy_state import adopt_legacy_state
 from lightning_mcore_ckpt.callback.nodes import share_directory
 from lightning_mcore_ckpt.callback.preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -310,7 +311,7 @@ class MegatronCheckpoint(ModelCheckpoint):
                 trainer,
                 self.config.fast_tier,
                 persistent_last=lambda: strategy.newest_step(str(self._root)),
-                records=self._root / RECORDS,
+                records=FastRecords(self._root, self.config.store),
                 persistent=str(self._root),
             )
         self._resumed_step = None  # set by on_load_checkpoint when this fit resumes

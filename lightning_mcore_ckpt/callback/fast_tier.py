@@ -3,8 +3,10 @@ outcomes logged, and the recovery that ``ckpt_path="last"`` runs through the str
 
 :class:`FastTierRun` is made by ``MegatronCheckpoint.setup`` when a
 :class:`~lightning_mcore_ckpt.FastTier` is configured. At setup it learns which ranks share a
-node by looking at the fast tier's directory (:func:`~.nodes.leaders_of`), refuses what cannot
-hold (uneven nodes, more replicas than other nodes), and opens the tier's own process group.
+node by looking at the fast tier's directory (:func:`~.nodes.probe_sharing`), refuses what
+cannot hold (ranks of one host that see different directories, uneven nodes, more replicas than
+other nodes), and opens the tier's own process group. Rank 0 records every fast save and
+recovery in the persistent tier (:class:`~.fast_records.FastRecords`).
 It registers itself with the strategy as the source of ``"last"``: the strategy's load asks it
 (:meth:`FastTierRun.recover`) which tier and which step to read.
 """
@@ -12,13 +14,13 @@ It registers itself with the strategy as the source of ``"last"``: the strategy'
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lightning_mcore_ckpt.callback.nodes import leaders_of
+from lightning_mcore_ckpt.callback.fast_records import RECORDS, FastRecords
+from lightning_mcore_ckpt.callback.nodes import Sharing, probe_sharing
 from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.fast.peers import NodeMap
 from lightning_mcore_ckpt.fast.recovery import Recovery, recover
@@ -35,10 +37,6 @@ __all__ = ["RECORDS", "FastTierRun"]
 
 log = logging.getLogger(__name__)
 
-RECORDS = "fast_tier.jsonl"
-"""The persistent directory's record of every fast save and every recovery (rank 0 appends
-one JSON line each; ``lightning-mcore-ckpt report`` reads it)."""
-
 
 class FastTierRun:
     """The fast tier of one ``fit`` (see the module). :meth:`setup`, :meth:`save`,
@@ -50,7 +48,7 @@ class FastTierRun:
         config: FastTier,
         writer: FastWriter,
         persistent_last: Callable[[], int | None],
-        records: Path,
+        records: FastRecords,
         persistent: str,
     ) -> None:
         self.config = config
@@ -68,25 +66,32 @@ class FastTierRun:
         trainer: pl.Trainer,
         config: FastTier,
         persistent_last: Callable[[], int | None],
-        records: Path,
+        records: FastRecords,
         persistent: str,
     ) -> FastTierRun:
         """Find the nodes, check them against ``config``, open the tier (collective).
-        ``persistent_last``: the persistent tier's newest step (rank 0); ``records``: the file
-        of :data:`RECORDS`; ``persistent``: the path that loads the persistent tier's last."""
+        ``persistent_last``: the persistent tier's newest step (rank 0); ``records``: where
+        rank 0 adds the records of :data:`RECORDS`; ``persistent``: the path that loads the
+        persistent tier's last."""
         import torch.distributed as dist
 
         root = config.root
         root.mkdir(parents=True, exist_ok=True)
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() > 1:
-            nodes = NodeMap.from_leaders(leaders_of(trainer, root))
+            sharing = probe_sharing(trainer, root)
+            _check_hosts(config, sharing)
+            nodes = NodeMap.from_leaders(sharing.leaders)
         else:
             nodes = NodeMap(((trainer.global_rank,),))
         _check_nodes(config, nodes)
         group = None
         if distributed:
+            # At most the strategy's timeout: a silent node ends the job within that bound.
             timeout = datetime.timedelta(seconds=config.timeout_s)
+            bound = getattr(trainer.strategy, "config", None)
+            if bound is not None and hasattr(bound, "timeout"):
+                timeout = min(timeout, bound.timeout)
             group = dist.new_group(backend="gloo", timeout=timeout)
         world = dist.get_world_size() if distributed else 1
         writer = FastWriter(config, nodes, trainer.global_rank, world, group)
@@ -137,7 +142,7 @@ class FastTierRun:
         figures = outcome.metrics() if outcome.complete else {}
         figures["checkpoint/fast_failed"] = float(self._failed)
         metrics.log_save_metrics(trainer.loggers, outcome.step, figures)
-        self._append(
+        self._records.append(
             {
                 "kind": "fast_save",
                 "step": outcome.step,
@@ -147,14 +152,6 @@ class FastTierRun:
                 "errors": list(outcome.errors),
             }
         )
-
-    def _append(self, record: dict[str, Any]) -> None:
-        try:
-            self._records.parent.mkdir(parents=True, exist_ok=True)
-            with open(self._records, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
-        except OSError as err:
-            log.warning("could not record the fast tier's figures in %s: %s", self._records, err)
 
     # --- recovery -------------------------------------------------------------------------
 
@@ -178,10 +175,11 @@ class FastTierRun:
             newest,
             writer.group,
             dict(state.parallel_layout),
+            check_finite=self.config.check_finite,
         )
         if state.rank == 0:
             self._announce(found, newest)
-            self._append({"kind": "recovery", **found.record(), "persistent_step": newest})
+            self._records.append({"kind": "recovery", **found.record(), "persistent_step": newest})
         if found.directory is not None:
             return "fast", found.directory
         return None if newest is None else ("persistent", Path(self._persistent))
@@ -223,6 +221,43 @@ class FastTierRun:
         sources = self._trainer.strategy.checkpoint_sources  # type: ignore[attr-defined]
         if sources.get(str(self.config.root)) is self:
             del sources[str(self.config.root)]
+
+
+def _check_hosts(config: FastTier, sharing: Sharing) -> None:
+    """Every rank of a host must see one directory at ``dir``: else each directory counts as a
+    node, and a copy meant for another node may land on the same host (lost with it)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(sharing.hosts):
+        by_host.setdefault(host, []).append(rank)
+    split = {
+        h: ranks for h, ranks in by_host.items() if len({sharing.leaders[r] for r in ranks}) > 1
+    }
+    if not split:
+        return
+    host, ranks = next(iter(split.items()))
+    seen: dict[int, list[int]] = {}
+    for rank in ranks:
+        seen.setdefault(sharing.leaders[rank], []).append(rank)
+    directories = "; ".join(
+        f"{_ranks(group)}: {', '.join(sorted({repr(sharing.paths[r]) for r in group}))}"
+        for group in seen.values()
+    )
+    more = f" (and {len(split) - 1} other host(s) alike)" if len(split) > 1 else ""
+    given = repr(str(config.dir)) if len(set(sharing.paths)) == 1 else "..."  # one per rank
+    raise ConfigurationError(
+        f"FastTier(dir={given}): {_ranks(ranks)} run on host {host!r}{more} but see "
+        f"{len(seen)} different directories there ({directories}), so each directory would "
+        "count as a node of its own, and a copy meant for another node could land on this "
+        "same host and be lost with it. Give every rank of a host the same directory: one "
+        "path for every rank (no rank, process or container id in it), on a disk all of the "
+        "host's ranks see (a host directory mounted into every container, not each "
+        "container's own /dev/shm). If these are different machines reporting the same host "
+        "name, give each machine its own host name"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _check_nodes(config: FastTier, nodes: NodeMap) -> None:

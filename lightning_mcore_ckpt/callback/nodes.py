@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from lightning_mcore_ckpt.callback._config import CheckpointConfig
     from lightning_mcore_ckpt.storage.tier import Tier
 
-__all__ = ["leaders_of", "share_directory"]
+__all__ = ["Sharing", "leaders_of", "probe_sharing", "share_directory"]
 
 _PROBE = ".lmc-probe-"
 
@@ -93,10 +94,28 @@ def _same_path(root: Path, argument: str, config: CheckpointConfig) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """Who sees which directory, per rank (found by :func:`probe_sharing`)."""
+
+    leaders: list[int]
+    """The lowest rank that sees the same directory."""
+    hosts: list[str]
+    """The host name (``socket.gethostname()``)."""
+    paths: list[str]
+    """The path the rank was given (``root``)."""
+
+
 def leaders_of(trainer: pl.Trainer, root: Path) -> list[int]:
     """Per rank, the lowest rank that sees the same directory at ``root`` (collective; every
     node's local rank 0 writes a probe there). One value for a shared directory, one per node
     for a node-local one."""
+    return probe_sharing(trainer, root).leaders
+
+
+def probe_sharing(trainer: pl.Trainer, root: Path) -> Sharing:
+    """:func:`leaders_of`, with each rank's host name and path, gathered with the probe
+    (collective): what a check of the ranks of one host needs."""
     import torch.distributed as dist
 
     from lightning_mcore_ckpt.engine import cpu_group
@@ -126,7 +145,12 @@ def leaders_of(trainer: pl.Trainer, root: Path) -> list[int]:
     dist.barrier(group=cpu_group())
     if rank in writers:
         probe.unlink(missing_ok=True)
-    return [min(found) if found else r for r, found in enumerate(_gather(seen))]
+    every = _gather((seen, socket.gethostname(), str(root)))
+    return Sharing(
+        leaders=[min(found) if found else r for r, (found, _, _) in enumerate(every)],
+        hosts=[host for _, host, _ in every],
+        paths=[path for _, _, path in every],
+    )
 
 
 def _refuse_node_local(

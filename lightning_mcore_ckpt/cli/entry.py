@@ -57,10 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mcore_ckpt.storage import store_views
 
+    # The paths as given (a URL, where the command then reads a local view): for its messages.
+    args.given = {name: getattr(args, name) for name in _PATH_ARGUMENTS if hasattr(args, name)}
     try:  # a step or a dirpath in an object store: read through a local view of it
         store_views.open_url_arguments(args, _PATH_ARGUMENTS)
     except (ImportError, ValueError, OSError) as err:
-        return fail(err)
+        return fail(f"{args.command}: {err}")
     return args.handler(args, parser)  # type: ignore[no-any-return]
 
 

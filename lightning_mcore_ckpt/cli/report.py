@@ -60,6 +60,13 @@ class Report:
     fast: FastTierRecords | None = None
     """The fast tier's saves and recoveries (``None``: the run has no ``fast_tier.jsonl``)."""
 
+    @property
+    def holds_run(self) -> bool:
+        """Whether ``dirpath`` holds a run: a step directory (committed or not), the tracker,
+        or the fast tier's record. A step directory, an export or ``/tmp`` holds none."""
+        tracker = (self.dirpath / layout.TRACKER_FILE).is_file()
+        return bool(self.complete or self.incomplete or tracker or self.fast is not None)
+
 
 @dataclass
 class FastTierRecords:
@@ -126,7 +133,7 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
     root = Path(dirpath)
     if not root.is_dir():
         raise FileNotFoundError(
-            f"report: {str(dirpath)!r} is not a directory; pass the dirpath of a "
+            f"{str(dirpath)!r} is not a directory; pass the dirpath of a "
             "MegatronCheckpoint (the directory holding the global_step_<N> directories)"
         )
     complete = []
@@ -453,10 +460,9 @@ def add_parsers(commands: Any) -> None:
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot is not None and not Path(args.plot).expanduser().parent.is_dir():
         parser.error(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
-    try:
-        result = collect(args.dirpath)
-    except FileNotFoundError as err:
-        parser.error(str(err))
+    result = _collect_run("report", args, parser)
+    if isinstance(result, int):
+        return result
     print(format_table(result))
     if args.plot is not None:
         try:
@@ -470,10 +476,9 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mcore_ckpt import hf
 
-    try:
-        result = collect(args.dirpath)
-    except FileNotFoundError as err:
-        parser.error(str(err))
+    result = _collect_run("ls", args, parser)
+    if isinstance(result, int):
+        return result
     print(f"{result.dirpath}: {len(result.complete)} complete step(s)")
     for meta in result.complete:
         step = meta["global_step"]
@@ -491,3 +496,39 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for stale in result.incomplete:
         print(f"  {stale.path.name}  incomplete (never committed)")
     return 0
+
+
+def _collect_run(
+    command: str, args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> Report | int:
+    """The run at ``args.dirpath``, or the exit code of ``command``'s error (named for it): a
+    path that is not a directory, or a directory that holds no run."""
+    given = getattr(args, "given", {}).get("dirpath") or args.dirpath  # a URL, not its view
+    try:
+        result = collect(args.dirpath)
+    except FileNotFoundError as err:
+        parser.error(f"{command}: {err}")
+    if result.holds_run:
+        return result
+    return fail(
+        f"{command}: {given} holds no run: no global_step_<N> directory (committed or not), no "
+        f"{layout.TRACKER_FILE} and no {FAST_TIER_RECORDS}. Pass the dirpath of a "
+        f"MegatronCheckpoint{_what_it_is(result.dirpath)}"
+    )
+
+
+def _what_it_is(path: Path) -> str:
+    """A hint for a directory that holds no run, from what it does hold."""
+    step = layout.step_number(path) is not None or (path / "metadata.json").is_file()
+    if step or any((path / d).is_dir() for d in (layout.MODEL_DIR, layout.OPTIM_DIR)):
+        return (
+            f"; this looks like one step: its run is the directory above it ({path.parent}); "
+            "for one step use `lightning-mcore-ckpt inspect STEP` (will it load) or "
+            "`lightning-mcore-ckpt fsck STEP` (is it whole)"
+        )
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (
+            "; this looks like a Hugging Face model directory: `lightning-mcore-ckpt import` "
+            "makes a step of it, `lightning-mcore-ckpt verify` compares it with a step"
+        )
+    return " (the directory holding its global_step_<N> directories)"

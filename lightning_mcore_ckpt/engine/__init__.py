@@ -29,10 +29,12 @@ Its modules:
 from __future__ import annotations
 
 from lightning_mcore_ckpt.engine._collectives import cpu_group
+from lightning_mcore_ckpt.engine._content import non_finite
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import record_metadata
 from lightning_mcore_ckpt.engine._extra import extra_payload
 from lightning_mcore_ckpt.engine._rank_state import StagingCache
+from lightning_mcore_ckpt.engine._rank_state import read as read_rank_state
 from lightning_mcore_ckpt.engine._rank_state import stage as stage_rank_state
 from lightning_mcore_ckpt.engine._rank_state import state_name as rank_state_name
 from lightning_mcore_ckpt.engine._rank_state import write as write_payload
@@ -79,8 +81,10 @@ __all__ = [
     "holds_weights_only",
     "megatron_optimizer_metadata",
     "module_sharded_state_dict",
+    "non_finite",
     "optimizer_sharded_state_dict",
     "rank_state_name",
+    "read_rank_state",
     "record_metadata",
     "stage_rank_state",
     "stateless_params",

@@ -39,8 +39,20 @@ def cpu_group() -> Any:
     if dist.get_backend() == "gloo":
         return world
     if world not in _CPU_GROUPS:
-        _CPU_GROUPS[world] = dist.new_group(backend="gloo")
+        # The default group's timeout: torch's default for a new group is 30 minutes.
+        _CPU_GROUPS[world] = dist.new_group(backend="gloo", timeout=_default_timeout())
     return _CPU_GROUPS[world]
+
+
+def _default_timeout() -> Any:
+    """The default group's timeout (``MegatronStrategy(timeout=...)``), or ``None`` (torch's
+    default) where this torch does not say it."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def broadcast(obj: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,29 @@ def _positive(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise _fail(name, value, f"must be an int >= {low}")
     return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A finite number of seconds > 0 that a process group's timeout can hold."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(name, value, "must be a number of seconds > 0, e.g. 600")
+    if not math.isfinite(value):
+        # nan compares False with everything (it would pass "> 0"); inf has no timedelta.
+        raise _fail(
+            name,
+            value,
+            "must be a finite number of seconds > 0, e.g. 600; a peer that never answers must "
+            "end the wait, so there is no unlimited timeout",
+        )
+    if value <= 0:
+        raise _fail(name, value, "must be a number of seconds > 0, e.g. 600")
+    try:
+        datetime.timedelta(seconds=value)
+    except OverflowError:
+        raise _fail(
+            name, value, "is too large for a process group's timeout; pass seconds, e.g. 600"
+        ) from None
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -58,6 +83,14 @@ class FastTier:
     saves for the rest of the run (the group is no longer usable); the persistent tier goes
     on."""
 
+    check_finite: bool = False
+    """Check that every floating tensor of a rank's state is finite: at each fast save, in the
+    background before its files are written (a rank with a NaN or an infinity leaves the step
+    uncounted on every node, with a warning naming the tensors; training goes on), and at a
+    recovery, for the copy each rank would load (a copy holding one is passed over for the next
+    holder, then for the next older step). Costs one read of the staged state per save and one
+    load of each copy at a recovery (``docs/fast-tier.md``)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
             raise _fail("dir", self.dir, "must be a path (the node-local directory)")
@@ -66,10 +99,9 @@ class FastTier:
         _positive("every_n_train_steps", self.every_n_train_steps, 1)
         _positive("replicas", self.replicas, 0)
         _positive("max_to_keep", self.max_to_keep, 1)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
-            raise _fail("timeout_s", self.timeout_s, "must be a number of seconds > 0")
-        if self.timeout_s <= 0:
-            raise _fail("timeout_s", self.timeout_s, "must be a number of seconds > 0")
+        if not isinstance(self.check_finite, bool):
+            raise _fail("check_finite", self.check_finite, "must be True or False")
+        _seconds("timeout_s", self.timeout_s)
 
     @property
     def root(self) -> Path:

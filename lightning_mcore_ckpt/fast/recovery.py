@@ -8,8 +8,9 @@ Collective (every rank, at the load), in this order:
    some node, newest first. For each, every rank's files must be on some node: the rank's own
    node first, else the nodes of its peers;
 3. the copies that would be used are read in full and hashed against their seals (each by a
-   rank of the node that holds it); a torn, missing or altered copy is passed over for the next
-   holder, and a rank with none left rules the step out, with a warning naming why;
+   rank of the node that holds it), and with ``check_finite`` loaded and checked for NaNs and
+   infinities; a torn, missing, altered or non-finite copy is passed over for the next holder,
+   and a rank with none left rules the step out, with a warning naming why;
 4. a rank whose own node lacks its good copy receives it from the holder, checks it, and writes
    it into its node's directory (a replaced node is repopulated as it resumes);
 5. every node drops the fast steps newer than the one chosen (the future that was not kept).
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_mcore_ckpt.engine import non_finite, read_rank_state
 from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.fast.peers import Bundle, NodeMap, exchange
 
@@ -89,10 +91,13 @@ def recover(
     newer_than: int | None,
     group: Any,
     layout: dict[str, int] | None = None,
+    *,
+    check_finite: bool = False,
 ) -> Recovery:
     """Find, check and fetch the fast step to resume (see the module). ``newer_than``: the
     persistent tier's last step (``None``: it has none); ``layout``: this run's parallel sizes
-    (a step saved in others is not resumed). Collective over ``group``."""
+    (a step saved in others is not resumed); ``check_finite``: a copy holding a NaN or an
+    infinity is passed over. Collective over ``group``."""
     started = time.perf_counter()
     world = _world(group)
     inventories = _gather(_inventory(root, world, layout), group)
@@ -106,7 +111,7 @@ def recover(
         checked = (
             _foreign(inventories, step)
             or _unheld(holders)
-            or _checked_sources(root, step, holders, rank, group)
+            or _checked_sources(root, step, holders, rank, group, check_finite)
         )
         problem = checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group)
         if problem is not None or isinstance(checked, str):
@@ -176,9 +181,15 @@ def _unheld(holders: dict[int, list[int]]) -> str | None:
 
 
 def _checked_sources(
-    root: Path, step: int, holders: dict[int, list[int]], rank: int, group: Any
+    root: Path,
+    step: int,
+    holders: dict[int, list[int]],
+    rank: int,
+    group: Any,
+    check_finite: bool = False,
 ) -> dict[int, int] | str:
-    """Per rank, the first holder whose copy hashes to its seal; or why there is none."""
+    """Per rank, the first holder whose copy hashes to its seal (and, with ``check_finite``,
+    holds no NaN or infinity); or why there is none."""
     directory = files.step_dir(root, step)
     tried = {owner: 0 for owner in holders}
     problems: dict[int, list[str]] = {owner: [] for owner in holders}
@@ -188,7 +199,11 @@ def _checked_sources(
             failed = sorted(o for o in holders if o not in asked)
             why = "; ".join(p for o in failed for p in problems[o])
             return f"no whole copy of rank(s) {failed}'s files: {why}"
-        mine = {o: files.verify(directory, o) for o, h in asked.items() if h == rank}
+        mine = {
+            o: files.verify(directory, o) or (_non_finite(directory, o) if check_finite else None)
+            for o, h in asked.items()
+            if h == rank
+        }
         verdicts: dict[int, str | None] = {}
         for found in _gather(mine, group):
             verdicts.update(found)
@@ -198,6 +213,16 @@ def _checked_sources(
         for owner, why in bad.items():
             problems[owner].append(f"the copy on rank {asked[owner]}'s node: {why}")
             tried[owner] += 1
+
+
+def _non_finite(directory: Path, owner: int) -> str | None:
+    """What is not finite in rank ``owner``'s whole copy in ``directory`` (``None``: all is)."""
+    path = directory / files.files_of(owner)[0]
+    try:
+        bad = non_finite(read_rank_state(path))
+    except (OSError, ValueError, RuntimeError) as err:
+        return f"{path} cannot be loaded to check its values: {err}"
+    return f"{path} holds non-finite values in {', '.join(bad)}" if bad else None
 
 
 def _fetch(root: Path, step: int, sources: dict[int, int], rank: int, group: Any) -> str | None:

@@ -15,6 +15,12 @@ save to save: :class:`~lightning_mcore_ckpt.engine.StagingCache`). A background 
 A failure anywhere (a disk full, a peer's directory not writable) leaves the step uncounted on
 every node, is reported by :meth:`FastWriter.poll` on every rank, and training goes on. One save
 is in flight at a time: the next one waits for it.
+
+An unexpected error of one rank (a bug, not a disk's or a peer's failure) stops the fast saves of
+every rank, and training goes on with the persistent tier: the rank still takes its part in the
+step's copies (sending nothing) and says why in the agreement, so that no rank waits for it in a
+later copy. A failure of the fast tier's process group itself (a peer lost) ends each rank's
+wait within the group's timeout (``FastTier.timeout_s``, at most the strategy's ``timeout``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from lightning_mcore_ckpt.engine import (
     StagingCache,
     TrainingState,
     extra_payload,
+    non_finite,
     stage_rank_state,
     write_payload,
 )
@@ -91,6 +98,9 @@ class FastWriter:
         self._future: Future[FastSave] | None = None
         self._finished: list[FastSave] = []
         self._broken: str | None = None
+        self._fatal: str | None = None
+        """This rank's unexpected error, told to every rank at the next agreement (then every
+        rank's fast saves stop)."""
 
     # --- the training thread --------------------------------------------------------------
 
@@ -155,7 +165,15 @@ class FastWriter:
         blocking: float,
     ) -> FastSave:
         directory = files.step_dir(self.root, step)
-        bundle, size, error = self._write_own(directory, payload, extra, layout)
+        bad = non_finite(payload) if self.config.check_finite else []
+        if bad:  # nothing written: the step cannot count on any node
+            bundle, size = None, 0
+            error: str | None = (
+                f"rank {self.rank} ({socket.gethostname()}): non-finite values in "
+                f"{', '.join(bad)} (FastTier(check_finite=True)): not saved"
+            )
+        else:
+            bundle, size, error = self._write_own(directory, payload, extra, layout)
         written = time.perf_counter()
         try:
             copied, copy_error = self._copy(directory, bundle)
@@ -169,21 +187,26 @@ class FastWriter:
                     replicated - written,
                 ),
                 (size, copied),
+                self._fatal,
             )
             everyone = self._agree(mine)
         except Exception as err:  # noqa: BLE001 - the process group failed: no more fast saves
             self._broken = f"the fast tier's copies between nodes failed: {err}"
             log.error("%s; fast saves stop for this run (the persistent tier goes on)", err)
             return FastSave(step, False, blocking, 0.0, 0.0, 0.0, size, 0, (self._broken,))
-        errors = [e for e, _, _ in everyone if e is not None]
+        errors = [e for e, *_ in everyone if e is not None]
+        fatal = [f for *_, f in everyone if f is not None]
+        if fatal:  # on every rank at once: no rank waits for another in a later copy
+            self._broken = f"fast saves stopped on every rank: {fatal[0]}"
+            log.error("%s (the persistent tier goes on)", self._broken)
         if not errors and self.nodes.leader(self.rank):
             self._mark(directory, step)
         # The slowest rank's times (the step is saved when the last rank is done); the bytes of
         # every rank.
         blocked, total, write, copy = (
-            max(t) for t in zip(*(t for _, t, _ in everyone), strict=True)
+            max(t) for t in zip(*(t for _, t, *_ in everyone), strict=True)
         )
-        size, copied = (sum(b) for b in zip(*(b for _, _, b in everyone), strict=True))
+        size, copied = (sum(b) for b in zip(*(b for _, _, b, *_ in everyone), strict=True))
         return FastSave(step, not errors, blocked, total, write, copy, size, copied, tuple(errors))
 
     def _write_own(
@@ -193,6 +216,8 @@ class FastWriter:
         extra: dict[str, Any],
         layout: dict[str, int],
     ) -> tuple[Bundle | None, int, str | None]:
+        if self._fatal is not None:  # not told yet: nothing written, the others hear why
+            return None, 0, self._fatal
         try:
             state_name, extra_name = files.files_of(self.rank)
             (directory / extra_name).parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +231,15 @@ class FastWriter:
             return bundle, sum(size for size, _ in written.values()), None
         except (OSError, ValueError, RuntimeError) as err:
             return None, 0, f"rank {self.rank} ({socket.gethostname()}): writing {directory}: {err}"
+        except Exception as err:  # noqa: BLE001 - told to every rank, which all stop
+            return None, 0, self._unexpected(f"writing {directory}", err)
+
+    def _unexpected(self, doing: str, err: Exception) -> str:
+        """Keep ``err`` as this rank's unexpected error (every rank's fast saves stop once it is
+        agreed on); what the step's outcome says of it."""
+        self._fatal = f"rank {self.rank} ({socket.gethostname()}): {doing}: {err!r}"
+        log.error("fast tier: unexpected error, %s", self._fatal, exc_info=err)
+        return self._fatal
 
     def _copy(self, directory: Path, bundle: Bundle | None) -> tuple[int, str | None]:
         """Send this rank's files to its peers; keep the copies sent to it."""
@@ -226,6 +260,8 @@ class FastWriter:
                     f"rank {self.rank} ({socket.gethostname()}): keeping rank {source}'s copy "
                     f"in {directory}: {err}"
                 )
+            except Exception as err:  # noqa: BLE001 - told to every rank, which all stop
+                error = error or self._unexpected(f"keeping rank {source}'s copy", err)
         return copied, error
 
     def _agree(self, mine: Any) -> list[Any]:
@@ -244,6 +280,8 @@ class FastWriter:
             self._prune()
         except OSError as err:
             log.warning("fast step %d: marking or pruning %s failed: %s", step, self.root, err)
+        except Exception as err:  # noqa: BLE001 - told at the next save, when every rank stops
+            self._unexpected(f"marking fast step {step} complete", err)
 
     def _prune(self) -> None:
         """Keep the newest ``max_to_keep`` complete steps on this node, and nothing older."""

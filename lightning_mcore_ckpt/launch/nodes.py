@@ -22,6 +22,8 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -42,7 +44,14 @@ from lightning_mcore_ckpt.launch.local import (
 )
 from lightning_mcore_ckpt.launch.namespaces import enter_node, node_storage, unavailable
 
-__all__ = ["RankOutcome", "kill_node", "node_storage", "nodes_unavailable", "run_nodes"]
+__all__ = [
+    "RankOutcome",
+    "kill_node",
+    "node_storage",
+    "nodes_unavailable",
+    "run_nodes",
+    "stop_node",
+]
 
 _NODE_GROUPS_ENV = "LMC_NODE_PROCESS_GROUPS"
 """In every rank: the process group of each node's launcher, by node, comma-separated."""
@@ -104,13 +113,46 @@ def kill_node(node: int) -> None:
             if rank == 0:
                 kill_node(1)
     """
+    os.killpg(_node_group(node, "kill_node"), signal.SIGKILL)
+
+
+def stop_node(node: int, kill_after_s: float) -> None:
+    """SIGSTOP every process of node ``node`` of this :func:`run_nodes` job, as a machine that
+    dies silently (power lost, a kernel panic, its network cut): its sockets stay open, so its
+    peers learn nothing until their own timeouts. ``kill_after_s`` seconds later the node is
+    SIGKILLed (as a scheduler reaps a lost machine; then its sockets close), by a process of
+    its own outside the node. Call it from any rank (on its own node, it does not return until
+    then).
+
+    Example::
+
+        def body(rank, world_size):
+            if rank == 2:
+                stop_node(1, kill_after_s=120)  # the others must have failed by then
+    """
+    group = _node_group(node, "stop_node")
+    if not kill_after_s > 0:
+        raise ValueError(f"stop_node: kill_after_s must be positive seconds, got {kill_after_s!r}")
+    # The reaper first, in a session of its own (the stop does not reach it).
+    reap = "import os, sys, time; time.sleep(float(sys.argv[1])); os.killpg(int(sys.argv[2]), 9)"
+    subprocess.Popen(
+        [sys.executable, "-c", reap, str(float(kill_after_s)), str(group)],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    os.killpg(group, signal.SIGSTOP)
+
+
+def _node_group(node: int, caller: str) -> int:
     groups = os.environ.get(_NODE_GROUPS_ENV)
     if groups is None:
-        raise RuntimeError("kill_node: call it in a rank started by run_nodes")
+        raise RuntimeError(f"{caller}: call it in a rank started by run_nodes")
     pgids = [int(g) for g in groups.split(",")]
     if not isinstance(node, int) or not 0 <= node < len(pgids):
-        raise ValueError(f"kill_node: node must be 0..{len(pgids) - 1}, got {node!r}")
-    os.killpg(pgids[node], signal.SIGKILL)
+        raise ValueError(f"{caller}: node must be 0..{len(pgids) - 1}, got {node!r}")
+    return pgids[node]
 
 
 @dataclass(frozen=True)

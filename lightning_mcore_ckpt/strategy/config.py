@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-
 from lightning_mcore_ckpt.engine import OptimizerSharding, WriterKind
 from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.format.layout import MODEL_DIR
 
-__all__ = ["ProcessGroupBackend", "StrategyConfig"]
+__all__ = ["DEFAULT_TIMEOUT", "ProcessGroupBackend", "StrategyConfig"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+"""``MegatronStrategy(timeout=...)``'s default: how long a rank waits for a peer that stopped
+answering (a node lost without its sockets closing) before the job ends with an error.
+Lightning's default, 30 minutes, is three times longer."""
 
 ProcessGroupBackend = Literal["nccl", "gloo"]
 """The values of ``process_group_backend`` (``None``: chosen from the devices)."""
@@ -125,8 +128,16 @@ class StrategyConfig:
     process_group_backend: ProcessGroupBackend | None = None
     """``"nccl"`` or ``"gloo"``; default: nccl when the ranks train on GPUs, gloo with
     ``accelerator="cpu"`` (also on a machine with GPUs). ``"nccl"`` with CPU devices is refused."""
-    timeout: datetime.timedelta = field(default=default_pg_timeout)
-    """Timeout of the process groups' collectives."""
+    timeout: datetime.timedelta = field(default=DEFAULT_TIMEOUT)
+    """How long any rank waits for a peer that does not answer before it fails (default 10
+    minutes): the timeout of every process group (the default group, Megatron-Core's groups, the
+    gloo groups of the checkpoint and of the fast tier, which waits at most this long even if
+    its ``timeout_s`` is longer), and of global rank 0's wait for each node's upload
+    confirmation (``s3://`` without a shared file system). A node that stops without closing its
+    sockets (power loss, kernel panic, a network partition) then ends every other rank with an
+    error within about this time, during training as during a save. Longer than the slowest
+    save's wait for the slowest rank (and, with NCCL, the longest step between collectives):
+    see ``docs/nodes.md``."""
     init_from: str | os.PathLike[str] | None = None
     """Initial weights for a ``fit`` that does not resume from a checkpoint: a Hugging Face
     model directory (converted on the fly through mbridge; every rank reads only its own shards)
@@ -183,7 +194,7 @@ class StrategyConfig:
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
             raise ConfigurationError(
                 f"MegatronStrategy(timeout={self.timeout!r}): pass a positive "
-                "datetime.timedelta, e.g. datetime.timedelta(minutes=30)"
+                "datetime.timedelta, e.g. datetime.timedelta(minutes=10)"
             )
         if self.init_from is not None:
             self._check_init_from(self.init_from)

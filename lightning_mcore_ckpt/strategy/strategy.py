@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _init_dist_connection,
@@ -50,13 +49,18 @@ from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_load
 from lightning_mcore_ckpt.strategy import grads, lightning_checkpoints
-from lightning_mcore_ckpt.strategy.config import ProcessGroupBackend, StrategyConfig
+from lightning_mcore_ckpt.strategy.config import (
+    DEFAULT_TIMEOUT,
+    ProcessGroupBackend,
+    StrategyConfig,
+)
 from lightning_mcore_ckpt.strategy.dataloader import elastic_dataloader
 from lightning_mcore_ckpt.strategy.model_setup import (
     check_model_configs,
     check_moe_sequence_parallel,
     convert_precision,
 )
+from lightning_mcore_ckpt.strategy.nothing_loaded import NothingLoaded
 from lightning_mcore_ckpt.training import parallel
 from lightning_mcore_ckpt.training.rng import RNGState
 
@@ -122,7 +126,7 @@ class MegatronStrategy(ParallelStrategy):
         ckpt_cache_plans: bool = True,
         ckpt_max_staging_bytes: int | None = None,
         process_group_backend: ProcessGroupBackend | None = None,
-        timeout: datetime.timedelta = default_pg_timeout,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         init_from: str | os.PathLike[str] | None = None,
     ) -> None:
         """Check the options (the fields of ``StrategyConfig``) and keep them as ``config``."""
@@ -735,7 +739,7 @@ class MegatronStrategy(ParallelStrategy):
                         'ckpt_path="last": no complete checkpoint in either tier, '
                         "starting from scratch"
                     )
-                return {}
+                return NothingLoaded()
             tier, checkpoint_path = found
             if tier == "fast":
                 return self._load_rank_files(checkpoint_path, trusted=trusted)

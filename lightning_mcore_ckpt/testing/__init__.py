@@ -26,8 +26,8 @@ This package is a face; the names live in:
   :class:`DistributedFailure`, :func:`find_free_port` (the launcher the resume check uses too);
 - :mod:`lightning_mcore_ckpt.launch.nodes`: :func:`run_nodes`, several simulated nodes of
   ranks, each with its own directory at the same path, ``TMPDIR`` and host name
-  (:func:`node_storage`, :func:`nodes_unavailable`), :func:`kill_node` (a node lost) and
-  :class:`RankOutcome` (how each rank ended, for tests of faults);
+  (:func:`node_storage`, :func:`nodes_unavailable`), :func:`kill_node` (a node lost),
+  :func:`stop_node` (a node silent, its sockets open) and :class:`RankOutcome` (how each rank ended, for tests of faults);
 - :mod:`lightning_mcore_ckpt.testing.gather`: :func:`gather_sharded`, a sharded state dict's
   global tensors on every rank.
 
@@ -43,6 +43,7 @@ from lightning_mcore_ckpt.launch.nodes import (
     node_storage,
     nodes_unavailable,
     run_nodes,
+    stop_node,
 )
 from lightning_mcore_ckpt.testing.gather import gather_sharded
 
@@ -56,4 +57,5 @@ __all__ = [
     "nodes_unavailable",
     "run_distributed",
     "run_nodes",
+    "stop_node",
 ]

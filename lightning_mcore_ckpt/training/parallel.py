@@ -89,7 +89,8 @@ def initialize(
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
-        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+        # Its groups' timeout, as the default group's (a timedelta of minutes: a float is exact).
+        distributed_timeout_minutes=timeout.total_seconds() / 60,
     )
     seed_all(seed)
     log.debug(

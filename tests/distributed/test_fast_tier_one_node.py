@@ -5,6 +5,9 @@
   use torch's AdamW).
 - With ``replicas=1`` there is no other node to hold a copy: refused at setup on every rank,
   naming the argument, the value and the fix, before anything is written.
+- A ``dir`` that differs per rank (here, the rank in the path) would make each rank a node of
+  its own, and its copies land on the same host: the ranks of one host must see one directory,
+  refused at setup on every rank, naming the ranks, the host, their directories and the fix.
 - A fast step resumes only the layout that saved it: resumed in another, it is passed over
   (the reason recorded) for the persistent tier, which reshards.
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ def test_the_node_own_copy_resumes_exactly(tmp_path: Path) -> None:
     resumes_exactly(tmp_path, "distributed", "32", "cpu")
 
 
-def _refused(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+def _refused(rank: int, world_size: int, tmp: str, fast: str = "fast") -> dict[str, Any]:
     from _trainer import loader, make_trainer
 
     from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, MegatronStrategy
@@ -36,7 +40,9 @@ def _refused(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     checkpoint = MegatronCheckpoint(
-        f"{tmp}/ckpt", every_n_train_steps=2, fast_tier=FastTier(f"{tmp}/fast", replicas=1)
+        f"{tmp}/ckpt",
+        every_n_train_steps=2,
+        fast_tier=FastTier(f"{tmp}/{fast.format(rank=rank)}", replicas=1),
     )
     trainer = make_trainer(
         4, MegatronStrategy(), world_size, callbacks=[checkpoint], enable_checkpointing=True
@@ -56,6 +62,22 @@ def test_copies_on_other_nodes_are_refused_on_one_node(tmp_path: Path) -> None:
     assert all(r["step"] == 0 for r in results)
     assert not list((tmp_path / "fast").glob("fast_step_*"))
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("global_step_*"))
+
+
+def test_ranks_of_one_host_that_see_different_directories_are_refused(tmp_path: Path) -> None:
+    results = run_distributed(_refused, 2, str(tmp_path), "fast/rank{rank}")
+    assert len({r["error"] for r in results}) == 1  # every rank, the same error
+    error = results[0]["error"]
+    assert error is not None, "two ranks of one host, each its own 'node', were taken"
+    assert error.startswith("FastTier(dir=...): "), error  # a path per rank: listed below
+    host = socket.gethostname()
+    assert f"ranks 0, 1 run on host {host!r} but see 2 different directories" in error, error
+    for rank in (0, 1):
+        assert f"rank {rank}: {str(tmp_path / 'fast' / f'rank{rank}')!r}" in error, error
+    assert "Give every rank of a host the same directory" in error
+    assert all(r["step"] == 0 for r in results)
+    assert not list((tmp_path / "fast").glob("*/fast_step_*"))
+    assert not list((tmp_path / "ckpt").glob("global_step_*"))
 
 
 def _layout_run(rank: int, world_size: int, tmp: str, tp: int, ckpt_path: str | None) -> int:
@@ -105,3 +127,27 @@ def test_a_fast_step_of_another_layout_is_passed_over_for_the_persistent_tier(
         why.startswith("fast step 5: saved in another world size or parallel layout")
         for why in recovery["skipped"]
     ), recovery
+
+
+def _first_start(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    checkpoint = MegatronCheckpoint(
+        f"{tmp}/ckpt", every_n_train_steps=2, fast_tier=FastTier(f"{tmp}/fast", replicas=0)
+    )
+    trainer = make_trainer(
+        3, MegatronStrategy(), world_size, callbacks=[checkpoint], enable_checkpointing=True
+    )
+    module = TinyGPTModule()
+    trainer.fit(module, train_dataloaders=loader(32), ckpt_path="last")
+    return {"step": trainer.global_step, "losses": len(module.step_losses)}
+
+
+def test_the_first_start_with_last_and_a_fast_tier_trains_from_scratch(tmp_path: Path) -> None:
+    # One command line for every (re)start: with neither tier holding a step, "last" starts
+    # from scratch (every rank asked the fast tier together, and found nothing).
+    results = run_distributed(_first_start, 2, str(tmp_path))
+    assert results == [{"step": 3, "losses": 3}] * 2

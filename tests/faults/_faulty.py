@@ -45,6 +45,15 @@ _RANK_PID = 0
 _EVENTS: Path | None = None
 
 
+def _stop_node(kill_after_s: float) -> None:
+    # Every process of the rank's simulated node stopped, its sockets open (a silent node);
+    # SIGKILLed ``kill_after_s`` later. Returns (if ever) only in another node's rank.
+    from lightning_mcore_ckpt.testing import stop_node
+
+    _record("stopped", int(os.environ["RANK"]))
+    stop_node(int(os.environ["GROUP_RANK"]), kill_after_s)
+
+
 def _die(node: bool = False) -> None:
     # The rank process; called from a writer process it forked, that one too (the node died).
     # ``node``: every process of the rank's simulated node (run_nodes), the rank's among them.
@@ -62,6 +71,7 @@ def _record(event: str, rank: int) -> None:
     if _EVENTS is None:
         return
     line = {"event": event, "at": time.time(), "rank": rank, "pid": os.getpid()}
+    line["monotonic"] = time.monotonic()  # one clock with run_nodes' outcomes
     _EVENTS.parent.mkdir(parents=True, exist_ok=True)
     with open(_EVENTS, "a") as f:
         f.write(json.dumps(line) + "\n")
@@ -83,7 +93,8 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
     """Arm ``fault`` (``"<point>:<action>@<rank>"``, rank optional) in this rank's process.
 
     Returns what disarms it. Actions: ``kill`` (SIGKILL of the rank), ``kill_node`` (SIGKILL of
-    every process of the rank's simulated node: ``run_nodes``), ``unpicklable``, ``slow``
+    every process of the rank's simulated node: ``run_nodes``), ``stop_node<S>`` (SIGSTOP of
+    every process of that node, its sockets open, then SIGKILL ``S`` seconds later), ``unpicklable``, ``slow``
     (a 4 s pause, then the real call), ``once-<ERRNO>`` (that error the first time only), an
     errno name (that ``OSError`` every time), or ``<SIGNAL>><until>`` (``SIGTERM>caught``: the
     first time, send that signal to the rank process, then hold there until the rank's
@@ -117,6 +128,8 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
     hold = _signal_and_hold(action, rank, patch, closing) if action.startswith("SIG") else None
 
     def act() -> None:
+        if action.startswith("stop_node"):
+            _stop_node(float(action.removeprefix("stop_node")))
         if action in ("kill", "kill_node"):
             _die(node=action == "kill_node")
         if action == "slow":
@@ -151,10 +164,10 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
         def write_item(*args: Any, **kwargs: Any) -> Any:
             stream = args[1]
             if _target(getattr(stream, "name", ""), sub):
-                if action in ("kill", "kill_node"):
+                if action in ("kill", "kill_node") or action.startswith("stop_node"):
                     out = original(*args, **kwargs)  # this item is on disk, the rest is not
                     stream.flush()
-                    _die(node=action == "kill_node")
+                    act()
                     return out
                 act()
             return original(*args, **kwargs)
@@ -301,6 +314,7 @@ def run(
     max_to_keep: int | None = 1,
     on_save_error: str = "raise",
     signal_at: tuple[int, int, int] | None = None,
+    stop_node_at: tuple[int, int, float] | None = None,
     max_steps: int = MAX_STEPS,
     ckpt_path: str | None = "last",
     num_layers: int = 2,
@@ -322,7 +336,8 @@ def run(
     ``writer``: ``MegatronStrategy(ckpt_writer=...)``, our shard writer (``"threads"``) or
     Megatron-Core's (``"megatron"``).
     ``raise_at=(step, rank)``: a training error after that step on that rank (``None``: every
-    rank). ``group_timeout_s``: the process group's timeout (a hang becomes an error then).
+    rank). ``stop_node_at=(step, rank, kill_after_s)``: after that step, that rank stops its
+    whole simulated node (``stop_node``: SIGSTOP, sockets open; SIGKILL ``kill_after_s`` later). ``group_timeout_s``: the process group's timeout (a hang becomes an error then).
     ``slurm_job``: run as task ``rank`` of that SLURM job (srun's variables), so that Lightning
     detects SLURM; ``auto_requeue``: pass ``SLURMEnvironment(auto_requeue=...)`` explicitly.
     """
@@ -343,6 +358,7 @@ def _run(
     max_to_keep: int | None,
     on_save_error: str,
     signal_at: tuple[int, int, int] | None,
+    stop_node_at: tuple[int, int, float] | None,
     max_steps: int,
     ckpt_path: str | None,
     num_layers: int,
@@ -378,6 +394,9 @@ def _run(
                 step, signum, only_rank = signal_at
                 if trainer.global_step == step and rank == only_rank:
                     os.kill(os.getpid(), signum)  # a real signal, as a scheduler sends it
+            if stop_node_at is not None and trainer.global_step == stop_node_at[0]:
+                if rank == stop_node_at[1]:
+                    _stop_node(stop_node_at[2])
             if raise_at is not None and trainer.global_step == raise_at[0]:
                 if raise_at[1] is None or raise_at[1] == rank:
                     raise RuntimeError(f"training failed at step {raise_at[0]} (injected)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 import pytest
 
 from lightning_mcore_ckpt import FastTier, MegatronCheckpoint
+from lightning_mcore_ckpt.callback.fast_tier import _check_hosts
+from lightning_mcore_ckpt.callback.nodes import Sharing
 from lightning_mcore_ckpt.errors import ConfigurationError
 from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.fast.peers import Bundle, NodeMap
@@ -452,6 +455,31 @@ def test_candidates_are_complete_steps_newer_than_the_persistent_one_newest_firs
     assert _candidates([{}, {}], None) == []
 
 
+# --- the ranks of a host see one directory ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "leaders",
+    [[0, 0, 2, 2], [0, 0, 0, 0]],
+    ids=["a-directory-per-host", "one-directory-shared-by-the-hosts"],
+)
+def test_hosts_whose_ranks_see_one_directory_are_taken(leaders: list[int]) -> None:
+    sharing = Sharing(leaders, ["node0", "node0", "node1", "node1"], ["/dev/shm/run"] * 4)
+    _check_hosts(FastTier("/dev/shm/run"), sharing)
+
+
+def test_ranks_of_one_host_that_see_different_directories_are_refused_naming_them() -> None:
+    """Each container's own /dev/shm: one path, a directory per rank, two ranks per host."""
+    sharing = Sharing([0, 1, 2, 3], ["node0", "node0", "node1", "node1"], ["/dev/shm/run"] * 4)
+    with pytest.raises(ConfigurationError) as err:
+        _check_hosts(FastTier("/dev/shm/run"), sharing)
+    message = str(err.value)
+    assert message.startswith("FastTier(dir='/dev/shm/run'): ranks 0, 1 run on host 'node0' ")
+    assert "(and 1 other host(s) alike) but see 2 different directories there" in message
+    assert "(rank 0: '/dev/shm/run'; rank 1: '/dev/shm/run')" in message
+    assert "Give every rank of a host the same directory" in message
+
+
 # --- options refused -------------------------------------------------------------------------
 
 
@@ -471,6 +499,10 @@ def test_candidates_are_complete_steps_newer_than_the_persistent_one_newest_firs
         ({"timeout_s": 0}, r"FastTier\(timeout_s=0\): must be a number of seconds > 0"),
         ({"timeout_s": -1.5}, r"FastTier\(timeout_s=-1.5\): must be a number of seconds > 0"),
         ({"timeout_s": "60"}, r"FastTier\(timeout_s='60'\): must be a number of seconds"),
+        ({"timeout_s": math.nan}, r"FastTier\(timeout_s=nan\): must be a finite number.*600"),
+        ({"timeout_s": math.inf}, r"FastTier\(timeout_s=inf\): must be a finite number.*600"),
+        ({"timeout_s": -math.inf}, r"FastTier\(timeout_s=-inf\): must be a finite number"),
+        ({"timeout_s": 1e300}, r"FastTier\(timeout_s=1e\+300\): is too large.*e\.g\. 600"),
     ],
 )
 def test_fast_tier_refuses_bad_values_naming_the_argument(

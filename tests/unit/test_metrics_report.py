@@ -170,6 +170,74 @@ def test_report_of_a_missing_directory_is_a_clear_usage_error(
     assert str(missing) in err and "not a directory" in err
 
 
+@pytest.mark.parametrize("command", ["report", "ls"])
+def test_each_command_names_itself_for_a_missing_directory(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([command, str(tmp_path / "nope")])
+    assert exit_info.value.code == 2
+    assert f"error: {command}: {str(tmp_path / 'nope')!r} is not a directory" in (
+        capsys.readouterr().err
+    )
+
+
+def _hf_export(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("command", ["report", "ls"])
+@pytest.mark.parametrize(
+    ("what", "hint"),
+    [
+        ("empty", "(the directory holding its global_step_<N> directories)"),
+        ("a step", "this looks like one step: its run is the directory above it"),
+        ("an export", "this looks like a Hugging Face model directory"),
+    ],
+)
+def test_a_directory_holding_no_run_is_refused_with_a_hint(
+    command: str,
+    what: str,
+    hint: str,
+    run_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = {
+        "empty": lambda: tmp_path / "empty",
+        "a step": lambda: layout.step_dir(run_dir, 20),
+        "an export": lambda: _hf_export(tmp_path / "hf"),
+    }[what]()
+    path.mkdir(exist_ok=True)
+    assert cli_main([command, str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "complete step(s)" not in captured.out
+    assert f"error: {command}: {path} holds no run: no global_step_<N> directory" in captured.err
+    assert hint in captured.err
+    if what == "a step":
+        assert f"({run_dir})" in captured.err and "inspect STEP" in captured.err
+
+
+@pytest.mark.parametrize(
+    "only",
+    ["an incomplete step", "the tracker", "the fast tier's record"],
+)
+def test_a_run_without_a_complete_step_is_still_a_run(
+    only: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if only == "an incomplete step":
+        (layout.step_dir(tmp_path, 5) / "model").mkdir(parents=True)
+    elif only == "the tracker":
+        layout.write_tracker(tmp_path, 5)
+    else:
+        (tmp_path / "fast_tier.jsonl").write_text('{"kind": "fast_save", "step": 3}\n')
+    assert cli_main(["report", str(tmp_path)]) == 0
+    assert f"{tmp_path}: 0 complete step(s)" in capsys.readouterr().out
+
+
 def test_report_plot_into_a_missing_directory_fails_before_reading(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -402,6 +470,7 @@ def test_the_report_reads_the_records_the_fast_tier_writes(
     ``Recovery``): the report and the writer cannot drift apart."""
     from types import SimpleNamespace
 
+    from lightning_mcore_ckpt.callback.fast_records import FastRecords
     from lightning_mcore_ckpt.callback.fast_tier import RECORDS, FastTierRun
     from lightning_mcore_ckpt.fast import FastTier
     from lightning_mcore_ckpt.fast.recovery import Recovery
@@ -414,14 +483,14 @@ def test_the_report_reads_the_records_the_fast_tier_writes(
         FastTier(run_dir.parent / "fast"),
         writer=None,  # type: ignore[arg-type]
         persistent_last=lambda: 10,
-        records=run_dir / RECORDS,
+        records=FastRecords(run_dir),
         persistent=str(run_dir),
     )
     run._report(FastSave(20, True, 0.25, 2.0, 1.5, 0.25, 4096, 4096))
     run._report(FastSave(40, False, 0.5, 3.0, 2.0, 0.5, 4096, 0, ("rank 1 (n1): no room",)))
     found = Recovery(20, run_dir.parent / "fast" / "fast_step_20", {0: 0, 1: 0}, ["why 40"])
     found.time_s = 0.75
-    run._append({"kind": "recovery", **found.record(), "persistent_step": 10})
+    run._records.append({"kind": "recovery", **found.record(), "persistent_step": 10})
     result = report.collect(run_dir)
     assert result.fast is not None and result.fast.malformed == []
     section = report.format_table(result).split("\n\n", 1)[1].splitlines()

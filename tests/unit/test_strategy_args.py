@@ -6,6 +6,8 @@ Each refusal is a ``ConfigurationError``: a ``ValueError`` and Lightning's
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -69,6 +71,8 @@ def test_defaults_are_those_of_the_public_interface() -> None:
     assert strategy.config.ckpt_writer == "threads"
     assert strategy.config.ckpt_cache_plans is True
     assert strategy._writer.shards.threads >= 4 and strategy._reader.read_threads >= 4
+    # A silent peer ends the job in minutes, not Lightning's 30 (docs/nodes.md).
+    assert strategy.config.timeout == datetime.timedelta(minutes=10)
 
 
 def test_save_options_reject_unknown_contents() -> None:

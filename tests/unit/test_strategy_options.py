@@ -26,7 +26,7 @@ def test_lightning_cli_help_prints_every_fields_text_and_the_literal_choices() -
     # Each field's docstring, from its first words, is the option's help.
     assert "Ranks each layer's tensors are split across." in flat
     assert "Who writes the shard files." in flat
-    assert "Timeout of the process groups' collectives." in flat
+    assert "How long any rank waits for a peer that does not answer before it fails" in flat
     assert "Initial weights for a ``fit`` that does not resume from a checkpoint" in flat
     # A Literal option lists its values.
     assert "--strategy.ckpt_writer {threads,megatron}" in text

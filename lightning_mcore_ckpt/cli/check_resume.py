@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from lightning_mcore_ckpt.cli.failure import fail
+from lightning_mcore_ckpt.cli.failure import fail, missing
 
 __all__ = ["EXIT_JOB_FAILED", "add_parsers"]
 
@@ -74,6 +74,8 @@ def add_parsers(commands: Any) -> None:
 
 
 def _check_resume(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if (found := missing("check-resume", ("--config", args.config))) is not None:
+        return found
     try:
         import jsonargparse  # noqa: F401
     except ImportError:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from lightning_mcore_ckpt._version import __version__
 from lightning_mcore_ckpt.cli import check_resume, diff, fsck, huggingface, inspect, report
-from lightning_mcore_ckpt.cli.failure import fail
+from lightning_mcore_ckpt.cli.failure import fail, naming
 from lightning_mcore_ckpt.notices import known_notices_hidden
 
 __all__ = ["build_parser", "main"]
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # What the libraries underneath say about themselves stays out of the way while the
     # command runs (the filters are restored after: main also runs inside other programs).
-    with known_notices_hidden():
+    with known_notices_hidden(), naming(args.command):
         return _run(args, parser)
 
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt.cli.failure import fail
+from lightning_mcore_ckpt.cli.failure import fail, missing
 
 __all__ = ["add_parsers"]
 
@@ -119,6 +119,9 @@ def _dtype(name: str | None) -> Any:
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mcore_ckpt.storage import object_store
 
+    found = missing("export", ("STEP_DIR", args.step_dir), ("--hf-model", args.hf_model))
+    if found is not None:
+        return found
     if not object_store.is_url(args.out):
         return _export_to(args, None)
     # To a store: written in a scratch directory, uploaded, and the scratch directory removed.
@@ -167,6 +170,8 @@ def _export_to(args: argparse.Namespace, out_url: str | None) -> int:
 
 
 def _import(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if (found := missing("import", ("HF_DIR", args.hf_dir))) is not None:
+        return found
     from lightning_mcore_ckpt import hf
 
     try:
@@ -184,6 +189,9 @@ def _import(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    found = missing("verify", ("EXPORTED", args.exported), ("--reference", args.reference))
+    if found is not None:
+        return found
     from lightning_mcore_ckpt import hf
 
     reference = args.reference

@@ -474,8 +474,6 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_mcore_ckpt import hf
-
     result = _collect_run("ls", args, parser)
     if isinstance(result, int):
         return result
@@ -484,7 +482,7 @@ def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         step = meta["global_step"]
         path = layout.step_dir(result.dirpath, step)
         contents = [c for c in meta.get("contents") or [] if c != "hf_model"]
-        if hf.is_exported(path):
+        if layout.is_exported(path):
             contents.append("huggingface")
         mark = "  (last)" if step == result.last else ""
         size = human_bytes(meta.get("size_bytes"))

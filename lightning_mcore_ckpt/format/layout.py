@@ -48,6 +48,7 @@ __all__ = [
     "complete_steps",
     "incomplete_steps",
     "is_complete",
+    "is_exported",
     "read_tracker",
     "resolve_checkpoint",
     "resolve_last",
@@ -125,6 +126,13 @@ def check_format(path: str | os.PathLike[str]) -> None:
             f"{path} is in checkpoint format {version}; this lightning-mcore-ckpt reads format "
             f"{METADATA_FORMAT_VERSION} and older. Upgrade lightning-mcore-ckpt to load it"
         )
+
+
+def is_exported(step: str | os.PathLike[str]) -> bool:
+    """Whether a step directory holds a finished Hugging Face export (``huggingface/``, renamed
+    into place once written: its ``config.json``, or a PEFT adapter's ``adapter_config.json``)."""
+    hf_dir = Path(step) / HF_DIR
+    return (hf_dir / "config.json").is_file() or (hf_dir / "adapter_config.json").is_file()
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:

@@ -136,10 +136,8 @@ def refuse_replacing_inputs(target: Path, what: str, **inputs: Path) -> None:
             )
 
 
-def is_exported(step: str | os.PathLike[str]) -> bool:
-    """Whether a step directory holds a finished Hugging Face export (it is renamed into place)."""
-    hf_dir = Path(step) / HF_DIR
-    return (hf_dir / "config.json").is_file() or (hf_dir / "adapter_config.json").is_file()
+is_exported = layout.is_exported
+"""Whether a step directory holds a finished Hugging Face export (see the format's own)."""
 
 
 def export_checkpoint(

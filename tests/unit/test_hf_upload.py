@@ -360,7 +360,9 @@ def test_cli_export_uploads_after_the_export_and_fails_with_exit_1(
     again = tmp_path / "again"
     assert cli_main([*args[:-1], str(again), "--upload-to", REPO, "--no-private"]) == 1
     err = capsys.readouterr().err
-    assert f"error: upload of global_step_7 ({again}) to {REPO} failed after 3 attempt" in err
+    assert (
+        f"error: export: upload of global_step_7 ({again}) to {REPO} failed after 3 attempt" in err
+    )
     assert TOKEN not in err and hub.calls[0][1]["private"] is False
     assert json.loads((again / "config.json").read_text())  # the export stays
 

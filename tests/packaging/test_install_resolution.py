@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)
 
 
-def _pip(*args: str) -> None:
+def _pip(*args: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
         capture_output=True,
@@ -29,6 +29,7 @@ def _pip(*args: str) -> None:
         timeout=500,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout + done.stderr
 
 
 def _resolve(wheel: Path, report: Path, *args: str) -> dict[str, str]:
@@ -42,14 +43,29 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Built from a copy of what the wheel is made of: setuptools builds inside the source tree
     # (build/), and a test writes only under its temporary directories.
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     package = "lightning_mcore_ckpt"
     shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
-    _pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(src))
+    said = _pip("wheel", "--no-deps", "--wheel-dir", str(out), str(src))
     (built,) = out.glob("lightning_mcore_ckpt-*.whl")
+    (out / "build.log").write_text(said)
     return built
+
+
+def test_the_wheel_declares_its_license_as_spdx_and_builds_without_a_deprecation(
+    wheel: Path,
+) -> None:
+    import zipfile
+
+    said = (wheel.parent / "build.log").read_text()
+    assert "Deprecat" not in said and "BuildBackendWarning" not in said, said[-3000:]
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+        assert "License-Expression: Apache-2.0" in text
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in archive.namelist())
 
 
 def _installed(name: str) -> str:

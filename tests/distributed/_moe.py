@@ -193,6 +193,12 @@ def refused_load(
     module = moe_module(hf_source(tmp), expert_bias=expert_bias)
     trainer = make_trainer(1, strategy(ep, sharding), world_size)
     trainer.fit(module, train_dataloaders=loader(8, 2))
+    return load_refused(trainer, step)
+
+
+def load_refused(trainer: Any, step: str) -> dict[str, Any]:
+    """Load ``step`` into ``trainer``'s run (it has trained, so its model and optimizer hold
+    state), which must fail: the error, and whether every live tensor is unchanged."""
     before = live_tensors(trainer)
     try:
         trainer.strategy.load_checkpoint(step)

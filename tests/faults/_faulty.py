@@ -129,7 +129,10 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
 
     def act() -> None:
         if action.startswith("stop_node"):
+            # The stop reaches the node's threads a moment after the call returns: this one
+            # goes on no further (it would fall through to an errno lookup and raise).
             _stop_node(float(action.removeprefix("stop_node")))
+            return
         if action in ("kill", "kill_node"):
             _die(node=action == "kill_node")
         if action == "slow":

@@ -5,10 +5,13 @@ process group's timeout (``MegatronStrategy(timeout=...)``), not Lightning's 30 
 Two simulated nodes of two ranks (TP=2 inside a node, DP=2 across), a shared checkpoint
 directory, saves every 2 steps. One rank SIGSTOPs every process of its node (``stop_node``):
 nothing closes, so no survivor learns of it from a socket; the node is SIGKILLed only
-:data:`KILL_AFTER_S` later, after every survivor must have ended. Each survivor must have raised
-the collective's timeout error within :data:`BOUND_S` of the stop, and exited (no thread of ours
-or torch's keeps it alive); "last" stays the previous step and the step being written never
-counts.
+:data:`KILL_AFTER_S` later, after every survivor must have ended. Each survivor must have ended
+with an error within :data:`BOUND_S` of the stop, and exited (no thread of ours or torch's keeps
+it alive): the collective's timeout or, for a survivor waiting in the same collective as one
+that timed out a moment before, gloo's "Connection closed by peer" (a gloo rank that times out
+closes every connection of that group: the other survivor's wait ends just before its own
+timeout would); at least one survivor raised the timeout. "last" stays the previous step and
+the step being written never counts.
 
 Axes: where the node goes silent (during a training step, after step 3; inside the sync save of
 step 4, a model shard written; during step 4's async write, the commit pending) x which node
@@ -32,8 +35,9 @@ from lightning_mcore_ckpt.testing import RankOutcome, run_nodes
 pytestmark = pytest.mark.timeout(600)
 
 NODES, PER_NODE = 2, 2
-GROUP_TIMEOUT_S = 20.0
-"""``MegatronStrategy(timeout=...)`` here: how long a survivor waits for the silent node."""
+GROUP_TIMEOUT_S = 30.0
+"""``MegatronStrategy(timeout=...)`` here: how long a survivor waits for the silent node (also
+what setting up Megatron-Core's groups may take: on two loaded cores, 20 s was once too short)."""
 BOUND_S = GROUP_TIMEOUT_S + 25.0
 """A survivor must have raised within this of the stop: the timeout, plus what the error's path
 takes on two busy cores (Lightning's exception handling, the logs)."""
@@ -43,6 +47,7 @@ that no survivor is ended by a closed socket."""
 LAUNCH_S = 400.0
 EXTENDED = pytest.mark.nodes_extended
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+CLOSED_BY_A_SURVIVOR = re.compile(r"Connection closed by peer")
 
 
 def _silent(where: str, node: int) -> tuple[str | None, dict[str, Any]]:
@@ -73,15 +78,7 @@ def _survivors(
     ("where", "node"),
     [
         pytest.param("training-step", 1, id="training-step-node1"),
-        pytest.param(
-            "sync-save",
-            1,
-            id="sync-save-node1",
-            # Seen 2026-11-28: rank 0 ended only when the stopped node was SIGKILLed (gloo's
-            # "connection was lost"), not at the 20 s timeout: a wait in the sync save's path
-            # that the group's timeout does not bound. Not yet found.
-            marks=pytest.mark.xfail(strict=True, reason="a sync-save wait is not yet bounded"),
-        ),
+        pytest.param("sync-save", 1, id="sync-save-node1"),
         pytest.param("async-write", 1, id="async-write-node1", marks=EXTENDED),
         pytest.param("training-step", 0, id="training-step-node0", marks=EXTENDED),
         pytest.param("sync-save", 0, id="sync-save-node0", marks=EXTENDED),
@@ -106,12 +103,15 @@ def test_a_silent_node_ends_every_other_rank_within_the_timeout_and_costs_nothin
     stopped_at, killed_at, survivors = _survivors(outcomes, node, run)
     assert killed_at - stopped_at >= KILL_AFTER_S - 1, (stopped_at, killed_at)
     for o in survivors:
-        # Raised the collective's timeout (not a closed socket: the node was still stopped),
-        # within the bound, and its process exited.
-        assert o.error is not None and TIMED_OUT.search(o.error), o
+        # Raised the collective's timeout, or the closure by a survivor that timed out first in
+        # the same collective (not the silent node's: it was still stopped, see below), within
+        # the bound, and its process exited.
+        assert o.error is not None, o
+        assert TIMED_OUT.search(o.error) or CLOSED_BY_A_SURVIVOR.search(o.error), o
         assert not o.timed_out and o.exit_code == 0, o
         assert o.ended is not None and o.ended - stopped_at < BOUND_S, (o, stopped_at)
         assert o.ended < killed_at, (o, killed_at)
+    assert any(TIMED_OUT.search(o.error or "") for o in survivors), survivors
     root = Path(run, "ckpt")
     assert layout.read_tracker(root) == 2  # "last" is still the previous step
     assert [s.step for s in layout.complete_steps(root)] == [2]

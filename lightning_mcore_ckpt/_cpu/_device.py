@@ -33,6 +33,7 @@ _MODULES_ON_CPU = (
     "megatron.core.transformer.module",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.multi_token_prediction",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.async_utils",

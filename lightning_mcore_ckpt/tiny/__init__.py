@@ -110,16 +110,19 @@ def tiny_gpt(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     cfg = config if config is not None else tiny_gpt_config(**config_overrides)
+    # MoE layers where the config has experts (num_moe_experts): Megatron-Core's SequentialMLP
+    # of local experts, no grouped GEMM (a Transformer Engine kernel).
+    layer = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm)
+    extra: dict[str, Any] = {}
+    if getattr(cfg, "mtp_num_layers", None):  # multi-token prediction, from the same local layer
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(cfg, layer, use_transformer_engine=False)
+        extra["mtp_block_spec"] = _cpu.local_spec_norms(mtp, cfg)
     return GPTModel(
         config=cfg,
-        # MoE layers where the config has experts (num_moe_experts): Megatron-Core's
-        # SequentialMLP of local experts, no grouped GEMM (a Transformer Engine kernel).
-        transformer_layer_spec=_cpu.local_spec_norms(
-            get_gpt_layer_local_spec(
-                num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
-            ),
-            cfg,
-        ),
+        transformer_layer_spec=_cpu.local_spec_norms(layer, cfg),
+        **extra,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

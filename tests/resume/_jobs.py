@@ -177,6 +177,14 @@ ROUTERS: dict[str, dict[str, Any]] = {
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": 1e-2,
     },
+    # A multi-token-prediction layer (DeepSeek-V3's): predicts the token after next from the
+    # last layer's output; Megatron-Core adds its loss to the main one.
+    "mtp": {
+        "mtp_num_layers": 1,
+        "mtp_loss_scaling_factor": 0.1,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+    },
 }
 """The router features users turn on, each as ``TransformerConfig`` fields."""
 

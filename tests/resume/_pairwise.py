@@ -36,3 +36,16 @@ def uncovered(
 def excluded_pairs_met(cells: Sequence[Cell], excluded: Collection[Pair]) -> list[Pair]:
     """The ``excluded`` pairs that some cell nevertheless contains."""
     return [p for p in excluded if any(c[p[0]] == p[1] and c[p[2]] == p[3] for c in cells)]
+
+
+def coverage_problems(
+    axes: Mapping[str, Sequence[Any]],
+    rows: Sequence[Sequence[Any]],
+    excluded: Collection[Pair] = (),
+) -> list[Any]:
+    """What is wrong with a matrix's cells (``rows``: one value per axis, in the axes' order):
+    the pairs no cell covers, the excluded pairs a cell contains, and the cells holding a value
+    that is not one of its axis's. Empty for a matrix that covers every pair."""
+    cells = [dict(zip(axes, row, strict=True)) for row in rows]
+    strays = [c for c in cells if not all(c[a] in values for a, values in axes.items())]
+    return [*uncovered(axes, cells, excluded), *excluded_pairs_met(cells, excluded), *strays]

@@ -196,7 +196,8 @@ def finalize_grads(
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(chunks)
-        _compat.reset_router_token_counts(chunks)  # after its expert-bias update
+        if any(getattr(c.config, "moe_router_enable_expert_bias", False) for c in chunks):
+            _compat.reset_router_token_counts(chunks)  # after its expert-bias update
         return
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     params = [p for _, p in named]

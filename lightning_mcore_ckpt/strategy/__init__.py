@@ -18,6 +18,8 @@ Modules:
 - ``dataloader``: training dataloaders made resumable (``ElasticSampler``).
 - ``lightning_checkpoints``: Lightning's own ``ModelCheckpoint``: the paths it names, their
   removal, what the strategy refuses with it.
+- ``roll_call``: after a failure, which nodes stopped answering (the note that names a silent
+  node on every other rank's error).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.distributed import distributed_c10d
 from typing_extensions import override
 
 from lightning_mcore_ckpt import _cpu
@@ -48,7 +50,7 @@ from lightning_mcore_ckpt.engine import (
 from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_load
-from lightning_mcore_ckpt.strategy import grads, lightning_checkpoints
+from lightning_mcore_ckpt.strategy import grads, lightning_checkpoints, roll_call
 from lightning_mcore_ckpt.strategy.config import (
     DEFAULT_TIMEOUT,
     ProcessGroupBackend,
@@ -140,6 +142,7 @@ class MegatronStrategy(ParallelStrategy):
         config = self.config
         self.num_nodes = 1
         self._chosen_backend: str | None = None
+        self._roll_calls = 0
         self._writer = CheckpointWriter(
             async_save=config.ckpt_async_save,
             parallel_save=config.ckpt_parallel_save,
@@ -300,6 +303,8 @@ class MegatronStrategy(ParallelStrategy):
             timeout=self.config.timeout,
             device_type=self.root_device.type,
         )
+        if self.world_size > 1 and self.local_rank == 0:
+            roll_call.register_host(distributed_c10d._get_default_store(), self.node_rank)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -566,6 +571,27 @@ class MegatronStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self.abandon_pending_save()
         super().on_exception(exception)
+        self._answer_roll_call(exception)
+
+    def _answer_roll_call(self, exception: BaseException) -> None:
+        """Every rank leaving with an error answers the roll call; one whose error is a peer's
+        silence then names the nodes that did not answer, in a note on its error and in the log
+        (:mod:`.roll_call`)."""
+        if self.world_size < 2 or not _distributed_is_initialized():
+            return
+        self._roll_calls += 1
+        finding = roll_call.answer(
+            distributed_c10d._get_default_store(),
+            generation=self._roll_calls,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            ranks_per_node=self.num_processes,
+            wait=roll_call.is_peer_silence(exception),
+        )
+        if finding is not None:
+            note = f"rank {self.global_rank} ({socket.gethostname()}): {finding}"
+            log.error("%s", note)
+            exception.add_note(note)
 
     # --- checkpoint: state dicts ---------------------------------------------------------------
 

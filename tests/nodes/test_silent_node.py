@@ -10,8 +10,9 @@ with an error within :data:`BOUND_S` of the stop, and exited (no thread of ours 
 it alive): the collective's timeout or, for a survivor waiting in the same collective as one
 that timed out a moment before, gloo's "Connection closed by peer" (a gloo rank that times out
 closes every connection of that group: the other survivor's wait ends just before its own
-timeout would); at least one survivor raised the timeout. "last" stays the previous step and
-the step being written never counts.
+timeout would); at least one survivor raised the timeout. Every survivor's error names the
+silent node and its host (the strategy's roll call: node 1's ranks did not answer; node 0's
+store did not). "last" stays the previous step and the step being written never counts.
 
 Axes: where the node goes silent (during a training step, after step 3; inside the sync save of
 step 4, a model shard written; during step 4's async write, the commit pending) x which node
@@ -21,7 +22,11 @@ node 1 run by default; the other cells are marked ``nodes_extended``.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,10 @@ import pytest
 from _faulty import FAULT_STEP, events, listing, train
 from _node_dirs import node_local
 
+from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.format import layout
+from lightning_mcore_ckpt.launch.namespaces import node_storage
+from lightning_mcore_ckpt.strategy.roll_call import ROLL_CALL_S, STORE_S
 from lightning_mcore_ckpt.testing import RankOutcome, run_nodes
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,9 +46,10 @@ NODES, PER_NODE = 2, 2
 GROUP_TIMEOUT_S = 30.0
 """``MegatronStrategy(timeout=...)`` here: how long a survivor waits for the silent node (also
 what setting up Megatron-Core's groups may take: on two loaded cores, 20 s was once too short)."""
-BOUND_S = GROUP_TIMEOUT_S + 25.0
-"""A survivor must have raised within this of the stop: the timeout, plus what the error's path
-takes on two busy cores (Lightning's exception handling, the logs)."""
+BOUND_S = GROUP_TIMEOUT_S + ROLL_CALL_S + STORE_S + 25.0
+"""A survivor must have raised within this of the stop: the timeout and the roll call that names
+the silent node, plus what the error's path takes on two busy cores (Lightning's exception
+handling, the logs)."""
 KILL_AFTER_S = BOUND_S + 15.0
 """When the silent node is SIGKILLed (its sockets then close): after every survivor's bound, so
 that no survivor is ended by a closed socket."""
@@ -112,11 +121,138 @@ def test_a_silent_node_ends_every_other_rank_within_the_timeout_and_costs_nothin
         assert o.ended is not None and o.ended - stopped_at < BOUND_S, (o, stopped_at)
         assert o.ended < killed_at, (o, killed_at)
     assert any(TIMED_OUT.search(o.error or "") for o in survivors), survivors
+    # Node 1: its host, from the roll call; node 0: its store did not answer the roll call.
+    named = re.compile(
+        r"node 1 \(node1\).*stopped answering" if node else r"node 0.*stopped answering"
+    )
+    assert all(named.search(o.error or "") for o in survivors), [o.error for o in survivors]
     root = Path(run, "ckpt")
     assert layout.read_tracker(root) == 2  # "last" is still the previous step
     assert [s.step for s in layout.complete_steps(root)] == [2]
+    # Global rank 0 holds the directory's lock: silent, then killed, it leaves it (a dead
+    # holder's lock, which the next run takes over).
+    lock = {".lightning_mcore_ckpt.lock"} if node == 0 else set()
     assert set(listing(run)) <= {
         "global_step_2",
         f"global_step_{FAULT_STEP}?",
         "latest_checkpointed_iteration.txt",
+        *lock,
     }
+
+
+# --- a node silent in a wait of ours: the S3 confirmations, the fast tier's copy -------------
+
+SERVICE_STEP = 4
+"""The step whose upload (S3) or copy (fast tier) the silent node stops in."""
+
+
+def _service_job(
+    rank: int, world_size: int, where: str, shared: str, url: str | None
+) -> dict[str, Any]:
+    """Two nodes of one rank, saves every 2 steps: ``"s3-confirmations"``, to ``url`` from
+    node-local disks (rank 0 waits for node 1's confirmation of its part); ``"fast-tier-copy"``,
+    fast saves with one copy on the other node. Node 1 goes silent in that wait's step."""
+    import datetime
+    import os
+
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.fast import writer
+    from lightning_mcore_ckpt.storage import node_parts
+    from lightning_mcore_ckpt.testing import stop_node
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    def silenced(original: Any, marked: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if rank == 1 and marked in " ".join(map(str, args)):
+                from _faulty import EVENTS_FILE  # the event test_silent_node reads
+
+                with open(Path(shared, EVENTS_FILE), "a") as f:
+                    f.write(
+                        json.dumps(
+                            {"event": "stopped", "at": time.time(), "monotonic": time.monotonic()}
+                        )
+                        + "\n"
+                    )
+                stop_node(1, KILL_AFTER_S)
+                time.sleep(KILL_AFTER_S * 2)  # stopped: never reached before the kill
+            return original(*args, **kwargs)
+
+        return call
+
+    if where == "s3-confirmations":
+        node_parts.upload_part = silenced(node_parts.upload_part, f"global_step_{SERVICE_STEP}")
+        local = os.path.join(os.environ["TMPDIR"], "..", "ckpt")
+        checkpoint = MegatronCheckpoint(url, every_n_train_steps=2, local_dir=local)
+    else:
+        writer.FastWriter._copy = silenced(writer.FastWriter._copy, f"fast_step_{SERVICE_STEP}")
+        fast = FastTier(os.path.join(os.environ["TMPDIR"], "..", "fast"), every_n_train_steps=2)
+        checkpoint = MegatronCheckpoint(f"{shared}/ckpt", every_n_train_steps=5, fast_tier=fast)
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    trainer = make_trainer(
+        8,
+        MegatronStrategy(timeout=timeout),
+        1,
+        num_nodes=2,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
+    trainer.fit(TinyGPTModule(), train_dataloaders=loader(256), ckpt_path=None)
+    return {"end": trainer.global_step}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from _s3_required import import_or_skip
+    from _s3server import S3Server
+
+    import_or_skip("boto3")
+    import_or_skip("moto")
+    with S3Server(tmp_path_factory.mktemp("s3server")) as server:
+        yield server
+
+
+@pytest.mark.parametrize("where", ["s3-confirmations", "fast-tier-copy"])
+def test_a_node_silent_in_our_own_waits_ends_the_other_node_within_the_timeout(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    url, env = None, None
+    if where == "s3-confirmations":
+        s3 = request.getfixturevalue("s3")
+        s3.reset()
+        bucket = f"silent-{os.urandom(4).hex()}"
+        s3.create_bucket(bucket)
+        url, env = f"s3://{bucket}/run", s3.env()
+    local = node_local(tmp_path / "local")
+    outcomes = run_nodes(
+        _service_job,
+        2,
+        1,
+        where,
+        str(shared),
+        url,
+        node_dir=local,
+        timeout=LAUNCH_S,
+        outcomes=True,
+        env=env,
+    )
+    stopped_at, killed_at, survivors = _survivors(outcomes, 1, str(shared))
+    (survivor,) = survivors
+    assert survivor.error is not None, survivor
+    assert not survivor.timed_out and survivor.exit_code == 0, survivor
+    assert survivor.ended is not None and survivor.ended - stopped_at < BOUND_S, survivor
+    assert survivor.ended < killed_at, (survivor, killed_at)
+    assert re.search(r"node 1 \(node1\).*stopped answering", survivor.error), survivor.error
+    if url is not None:  # the step rank 0 waited for was never published; "last" is step 2
+        bucket = url.removeprefix("s3://").split("/")[0]
+        objects = request.getfixturevalue("s3").objects(bucket, "run/")
+        assert f"run/global_step_{SERVICE_STEP}/metadata.json" not in objects
+        assert "run/global_step_2/metadata.json" in objects
+    else:  # the fast step whose copy was cut is complete on no node
+        for node in (0, 1):
+            fast = node_storage(local, node) / "fast"
+            assert files.is_complete(fast / "fast_step_2"), node
+            assert not files.is_complete(fast / f"fast_step_{SERVICE_STEP}"), node

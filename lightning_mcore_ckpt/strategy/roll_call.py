@@ -1,0 +1,155 @@
+"""After a failure, which nodes stopped answering: the roll call that names a silent node.
+
+A node that dies silently (a power loss, a kernel panic, a partition: its sockets stay open) ends
+every other rank with the process group's timeout (``MegatronStrategy(timeout=...)``) or, for a
+rank waiting in the same collective as one that timed out first, with gloo's "Connection closed
+by peer" naming a *survivor*. Neither names the node that went quiet. So every rank that leaves
+``fit`` with an error answers a roll call in the job's rendezvous store (the store every launcher
+creates: ``torchrun``'s, Lightning's), and a rank whose error is a peer's silence waits a bounded
+:data:`ROLL_CALL_S` for the others' answers, then adds a note to its error naming the nodes (with
+their host names, recorded at setup) none of whose ranks answered. When the store itself does not
+answer (it lives on global rank 0's node), the note says so: then that node is the silent one.
+
+No collective: a store key per node written at setup, an answer and a count per rank at the
+failure, each call bounded (a daemon thread joined with a timeout: a TCPStore client's calls
+ignore the store's timeout while its server is stopped). A job whose ranks all
+answer (an ordinary error on one rank, the others then waiting on it) ends without waiting out
+the bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["ROLL_CALL_S", "STORE_S", "answer", "is_peer_silence", "register_host"]
+
+ROLL_CALL_S = 15.0
+"""How long a rank whose error is a peer's silence waits for the other ranks' answers (they end
+within moments of each other: the same timeout, or the closure by the first one), so that a
+silent node ends the job within ``MegatronStrategy(timeout=...)`` plus this and
+:data:`STORE_S`."""
+STORE_S = 5.0
+"""How long a call to the store may take beyond the wait (it answers in milliseconds when up)."""
+_PREFIX = "lightning_mcore_ckpt/roll_call"
+_POLL_S = 0.2
+
+_SILENCE = (
+    "timed out",
+    "timeout",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+)
+
+
+def is_peer_silence(exception: BaseException) -> bool:
+    """Whether ``exception`` (or one it was raised from) is a wait for a peer that ended: a
+    collective's or a store's timeout, or a peer's connection closed."""
+    seen: BaseException | None = exception
+    while seen is not None:
+        if isinstance(seen, TimeoutError):
+            return True
+        text = str(seen).lower()
+        if any(s in text for s in _SILENCE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def register_host(store: Any, node: int) -> None:
+    """At setup, on each node's first rank: record the node's host name for a later roll call."""
+    store.set(f"{_PREFIX}/host/{node}", socket.gethostname())
+
+
+def answer(
+    store: Any,
+    *,
+    generation: int,
+    rank: int,
+    world_size: int,
+    ranks_per_node: int,
+    wait: bool,
+    wait_s: float = ROLL_CALL_S,
+) -> str | None:
+    """Answer the roll call ``generation`` (one per failure of the job) as ``rank``; with
+    ``wait``, wait up to ``wait_s`` for every rank's answer and return what to tell the user:
+    the nodes none of whose ranks answered, or that the store did not answer (``None``: every
+    rank answered). Never raises, and returns within ``wait_s`` (``0`` without ``wait``) plus
+    :data:`STORE_S`: a roll call adds to an error, it does not replace it.
+
+    The store's calls run in a daemon thread joined with that bound: a TCPStore client's
+    ``add`` and ``check`` wait for a stopped server without end, whatever its timeout."""
+    found: list[str | None] = []
+    call = functools.partial(
+        _answer, store, generation, rank, world_size, ranks_per_node, wait, wait_s
+    )
+    worker = threading.Thread(target=lambda: found.append(call()), name="roll-call", daemon=True)
+    worker.start()
+    worker.join((wait_s if wait else 0.0) + STORE_S)
+    if not found:
+        return _store_silent(f"no reply within {wait_s + STORE_S:.0f} s") if wait else None
+    return found[0]
+
+
+def _answer(
+    store: Any,
+    generation: int,
+    rank: int,
+    world_size: int,
+    ranks_per_node: int,
+    wait: bool,
+    wait_s: float,
+) -> str | None:
+    key = f"{_PREFIX}/{generation}"
+    nodes = world_size // ranks_per_node
+    try:
+        store.add(f"{key}/node/{rank // ranks_per_node}", 1)
+        answered = store.add(f"{key}/count", 1)
+        if not wait:
+            return None
+        deadline = time.monotonic() + wait_s
+        while answered < world_size and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            answered = store.add(f"{key}/count", 0)
+        if answered >= world_size:
+            return None
+        quiet = [n for n in range(nodes) if not store.check([f"{key}/node/{n}"])]
+        hosts = [_host(store, n) for n in quiet]
+    except Exception as err:  # noqa: BLE001 - the store's own failure is the finding
+        return _store_silent(f"{type(err).__name__}: {err}") if wait else None
+    return _silent_nodes(quiet, hosts, answered, world_size, wait_s)
+
+
+def _host(store: Any, node: int) -> str:
+    name = f"{_PREFIX}/host/{node}"
+    return store.get(name).decode() if store.check([name]) else "?"
+
+
+def _silent_nodes(
+    quiet: Sequence[int], hosts: Sequence[str], answered: int, world_size: int, wait_s: float
+) -> str:
+    if not quiet:
+        return (
+            f"{world_size - answered} of {world_size} ranks did not answer the roll call within "
+            f"{wait_s:.0f} s, on nodes where other ranks did (a rank stopped or still waiting)"
+        )
+    named = ", ".join(f"node {n} ({h})" for n, h in zip(quiet, hosts, strict=True))
+    return (
+        f"no rank of {named} answered the roll call within {wait_s:.0f} s after this error: that "
+        "node stopped answering (lost, hung or partitioned); the other ranks answered"
+    )
+
+
+def _store_silent(why: str) -> str:
+    where = os.environ.get("MASTER_ADDR", "?")
+    return (
+        f"the job's rendezvous store (at {where}, on global rank 0's node: node 0) did not "
+        f"answer the roll call after this error ({why}): node 0 stopped answering (lost, hung "
+        "or partitioned)"
+    )

@@ -5,7 +5,8 @@
 #   PYTHON=python3.12 (default): megatron-core 0.19, transformers 5   -> .venv-py3.12, constraints-py3.12.txt
 #   PYTHON=python3.11:           megatron-core 0.16, transformers 4   -> .venv-py3.11, constraints-py3.11.txt
 # torch is 2.13.0 on both: on Python 3.11 its CPU build lies on these machines' disk; on Python
-# 3.12 pip takes the registry's CUDA build (~4 GB, about two minutes; it runs on CPU too).
+# 3.12 pip takes the registry's CUDA build (~5.5 GB, about 4 minutes on 2 cores, measured
+# 2026-11-28; it runs on CPU too).
 # Idempotent: an environment is (re)built only when it is missing or when what it was built from
 # (the Python version, pyproject.toml, the constraints file) changed since.
 set -euo pipefail

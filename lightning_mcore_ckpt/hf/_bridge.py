@@ -61,7 +61,7 @@ class HFBridge:
 
     Example::
 
-        bridge = HFBridge("Qwen2.5-0.5B")  # in LightningModule.configure_model
+        bridge = HFBridge("/models/Qwen2.5-0.5B")  # in LightningModule.configure_model
         self.model = bridge.gpt_model(bridge.transformer_config())
     """
 

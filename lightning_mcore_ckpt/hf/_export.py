@@ -76,7 +76,7 @@ class HFExport:
         MegatronCheckpoint(
             "checkpoints/sft",
             every_n_train_steps=500,
-            hf_export=HFExport("Qwen2.5-0.5B", when="end", dtype=torch.bfloat16),
+            hf_export=HFExport("/models/Qwen2.5-0.5B", when="end", dtype=torch.bfloat16),
         )
     """
 
@@ -177,7 +177,7 @@ def export_checkpoint(
 
     Example::
 
-        export_checkpoint("checkpoints/sft/global_step_3000", "Qwen2.5-0.5B", "qwen-sft")
+        export_checkpoint("checkpoints/sft/global_step_3000", "/models/Qwen2.5-0.5B", "qwen-sft")
     """
     _adapters.check_adapters_args(adapters, lora_alpha, "export")
     start = time.perf_counter()

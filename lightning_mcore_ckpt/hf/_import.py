@@ -66,7 +66,7 @@ def import_checkpoint(
 
     Example::
 
-        import_checkpoint("Qwen2.5-0.5B", "init/qwen", prefix="model.")
+        import_checkpoint("/models/Qwen2.5-0.5B", "init/qwen", prefix="model.")
         trainer.fit(module, ckpt_path="init/qwen")  # or MegatronStrategy(init_from="init/qwen")
     """
     target = Path(out).expanduser()

@@ -220,11 +220,17 @@ class StrategyConfig:
     def _check_init_from(init_from: str | os.PathLike[str]) -> None:
         source = Path(init_from).expanduser()
         if not ((source / "config.json").is_file() or (source / MODEL_DIR).is_dir()):
-            what = "does not exist" if not source.exists() else "has neither"
+            found = (
+                f"holds neither config.json nor {MODEL_DIR}/"
+                if source.exists()
+                else "does not exist"
+            )
             raise ConfigurationError(
-                f"MegatronStrategy(init_from={str(init_from)!r}): {what} config.json (a "
-                f"Hugging Face model directory) nor {MODEL_DIR}/ (a step directory); pass "
-                "one of those"
+                f"MegatronStrategy(init_from={str(init_from)!r}): {str(source)!r} {found}. "
+                "Pass a local directory holding a Hugging Face model's config.json, or a "
+                f"checkpoint step (a global_step_<N> directory) with {MODEL_DIR}/; for a model "
+                "on the Hugging Face Hub, download it first with "
+                "huggingface_hub.snapshot_download(repo_id, local_dir=...) and pass that directory"
             )
         if (source / "config.json").is_file():
             from lightning_mcore_ckpt.hf import HFBridge

@@ -1,5 +1,6 @@
 """``tests/combination.txt`` (what CI also runs on the other combination) names real tests, and
-what the README and ``docs/versions.md`` say CI runs on Python 3.11 is that file exactly."""
+what ``docs/testing.md`` and ``docs/versions.md`` say CI runs on Python 3.11 is that file
+exactly; the README's test command is the one CI runs on Python 3.12."""
 
 from __future__ import annotations
 
@@ -44,8 +45,12 @@ def test_versions_md_names_every_entry_and_only_them() -> None:
         assert not [e for e in listed if e == path or e.startswith(path + "/")], path
 
 
-def test_the_readme_names_the_tiers_and_the_command_ci_runs() -> None:
-    text = " ".join((ROOT / "README.md").read_text().split())
+def _ci_lines() -> list[str]:
+    return [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+
+
+def test_testing_md_names_the_tiers_and_the_command_ci_runs() -> None:
+    text = " ".join((ROOT / "docs" / "testing.md").read_text().split())
     found = re.search(
         r"on Python 3\.11 while the default environment is built, the (?P<whole>[\w ,]+?) tiers "
         r"and the (?P<partial>[\w ,]+?) tests "
@@ -53,7 +58,7 @@ def test_the_readme_names_the_tiers_and_the_command_ci_runs() -> None:
         r"lists them .*?: `(?P<command>[^`]+)`",
         text,
     )
-    assert found, "README.md no longer says what CI runs on Python 3.11 in the expected words"
+    assert found, "docs/testing.md no longer says what CI runs on Python 3.11 in the expected words"
 
     def tiers(words: str) -> set[str]:
         return set(re.split(r",\s*|\s+and\s+", words.strip()))
@@ -64,5 +69,10 @@ def test_the_readme_names_the_tiers_and_the_command_ci_runs() -> None:
     assert tiers(found["whole"]) == whole, (found["whole"], whole)
     assert tiers(found["partial"]) == partial, (found["partial"], partial)
     # The command is .ci/run's own.
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert found["command"] in [line.strip() for line in ci], found["command"]
+    assert found["command"] in _ci_lines(), found["command"]
+
+
+def test_the_readme_test_command_is_the_one_ci_runs_on_python_3_12() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "\nbash scripts/test.sh " in readme
+    assert "LMC_REQUIRE_OTHER=1 bash scripts/test.sh" in _ci_lines()

@@ -75,7 +75,7 @@ def test_callback_and_strategy_refuse_bad_hf_settings(qwen2: Path, tmp_path: Pat
     MegatronCheckpoint(
         tmp_path / "c", save_contents=["model", "hf_model"], hf_export=HFExport(qwen2)
     )
-    with refused(r"init_from='.*nope'\): does not exist"):
+    with refused(r"init_from='.*nope'\): '.*nope' does not exist\. Pass a local directory"):
         MegatronStrategy(init_from=tmp_path / "nope")
     with refused("model_type='not_a_family'"):
         MegatronStrategy(init_from=_unknown_family(tmp_path))

@@ -48,7 +48,10 @@ from lightning_mcore_ckpt import MegatronStrategy, SaveOptions
         ),
         ({"timeout": 60}, r"timeout=60\): pass a positive datetime.timedelta"),
         ({"ckpt_dedup": True, "ckpt_writer": "megatron"}, r"ckpt_dedup=True, ckpt_writer="),
-        ({"init_from": "/nonexistent/model"}, r"init_from='/nonexistent/model'\): does not"),
+        (
+            {"init_from": "/nonexistent/model"},
+            r"init_from='/nonexistent/model'\): '/nonexistent/model' does not exist\. Pass",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_argument_named(

@@ -8,31 +8,44 @@
 3. The same run again, preempted with SIGTERM half way (as SLURM does): it finishes the step,
    saves it synchronously and exits cleanly.
 4. ``fit(ckpt_path="last")`` resumes it; at the end one Hugging Face copy is exported.
-5. Checks that the resumed run's losses equal the reference's, lists the run (``ls``), prints
-   what each save cost (``report``), and generates with the exported model in transformers.
+5. Checks that the resumed run's losses equal the reference's, lists the run (``ls``) and which
+   saved steps retention removed and why (``max_to_keep=2``: the preemption save too, once newer
+   steps completed), prints what each save cost (``report``), and generates with the exported
+   model in transformers.
 
 Lightning starts the second process itself (this script is re-run with LOCAL_RANK=1), so what
-must happen once is guarded by the rank.
+must happen once is guarded by the rank. Lightning's banners and what the libraries underneath
+say about themselves go to ``<out>/run.log``, named at the end; stderr keeps this package's
+notices, every other warning and every error.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import shutil
 import signal
 from pathlib import Path
 from typing import Any
 
-from lightning_mcore_ckpt.notices import hide_known_notices
+from lightning_mcore_ckpt.notices import log_known_notices
 
-# What Megatron-Core, torch and torchdata say about themselves (deprecations, fallbacks where
-# Apex or Transformer Engine is not installed) stays out of the story; every other warning and
-# every error is shown. First thing, before the imports that print them, in each process of the
-# demo (Lightning starts the second one by running this script again); not where job() is
-# imported from.
+# First thing in each process of the demo (Lightning starts the second one by running this
+# script again), before the imports that print notices: a fresh output directory (in the process
+# the user started, before any other) and its log. Lightning's banners and what Megatron-Core,
+# torch and torchdata say about themselves (deprecations, fallbacks where Apex or Transformer
+# Engine is not installed) go there; every other warning and every error is shown. Not where
+# job() is imported from.
 if __name__ == "__main__":
-    hide_known_notices(cpu=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
+    parser.add_argument("--out", default="demo_output", help="output directory (replaced)")
+    ARGS = parser.parse_args()
+    OUT = Path(ARGS.out).resolve()
+    if "LOCAL_RANK" not in os.environ:
+        shutil.rmtree(OUT, ignore_errors=True)
+    LOG = log_known_notices(OUT / "run.log", cpu=True)
 
 import lightning.pytorch as pl
 import torch
@@ -45,6 +58,7 @@ from lightning_mcore_ckpt import (
     MegatronStrategy,
     ResumeJob,
 )
+from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.tiny import HFGPTModule, TokenDataset, tiny_hf_model
 
 
@@ -100,21 +114,46 @@ def fit(
     return run.trainer, run.model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
-    parser.add_argument("--out", default="demo_output", help="output directory (replaced)")
-    args = parser.parse_args()
-    out = Path(args.out).resolve()
-    stop = max(1, args.steps // 2)
+def saved_steps(logs: Path) -> list[int]:
+    """The steps the checkpoint callback committed in every fit of a run: the rows of its
+    ``checkpoint/size_bytes`` metric in the CSV logs."""
+    steps = set()
+    for metrics in logs.glob("version_*/metrics.csv"):
+        with open(metrics, newline="") as f:
+            steps |= {int(r["step"]) for r in csv.DictReader(f) if r.get("checkpoint/size_bytes")}
+    return sorted(steps)
+
+
+def retention_story(run: Path, saved: list[int], keep: int | None, preempted: int) -> list[str]:
+    """Which of the ``saved`` steps are gone from ``run``, and why, from what is on disk."""
+    kept = [s.step for s in layout.complete_steps(run)]
+    gone = [s for s in saved if s not in kept]
+    if not gone:
+        return [f"the run saved steps {', '.join(map(str, saved))}: all kept"]
+    lines = [f"the run saved steps {', '.join(map(str, saved))}; retention removed:"]
+    for step in gone:
+        newer = [s for s in kept if s > step]
+        what = " (the preemption save)" if step == preempted else ""
+        if keep is not None and len(newer) >= keep:
+            why = f"max_to_keep={keep}, and newer steps {', '.join(map(str, newer))} completed"
+        else:
+            why = "Lightning's checkpoint bookkeeping let it go"
+        lines.append(f"  {layout.step_name(step)}{what}: {why}")
+    return lines
+
+
+def main(out: Path, steps: int, log: Path) -> None:
+    stop = max(1, steps // 2)
 
     if "LOCAL_RANK" not in os.environ:  # the process the user started, before any other
-        shutil.rmtree(out, ignore_errors=True)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # its bars while it writes and loads
         tiny_hf_model(out / "hf_source", "qwen2", vocab_size=128)
 
-    _, reference = fit(out, "reference", args.steps, None, [])
-    preempted, first = fit(out, "run", args.steps, "last", [Preempt(stop)])
-    resumed, second = fit(out, "run", args.steps, "last", [])
+    _, reference = fit(out, "reference", steps, None, [])
+    preempted, first = fit(out, "run", steps, "last", [Preempt(stop)])
+    resumed, second = fit(out, "run", steps, "last", [])
 
     if resumed.global_rank != 0:
         return
@@ -134,6 +173,11 @@ def main() -> None:
         print(f"  uninterrupted: {', '.join(f'{x:.4f}' for x in expected)}")
     print()
     cli(["ls", str(out / "run")])
+    checkpoint = resumed.checkpoint_callback
+    assert isinstance(checkpoint, MegatronCheckpoint)
+    saved = saved_steps(out / "logs" / "run")
+    story = retention_story(out / "run", saved, checkpoint.max_to_keep, preempted.global_step)
+    print("\n".join(story))
     print()
     cli(["report", str(out / "run"), "--plot", str(out / "saves.png")])
     print()
@@ -149,9 +193,10 @@ def main() -> None:
     print(f"Hugging Face copy: {exported}")
     print(f"  transformers generates: {tokenizer.decode(generated[0])!r}")
     print(f"  training logs: {out / 'logs'}; save-time chart: {out / 'saves.png'}")
+    print(f"  Lightning's messages and the libraries' own notices: {log}")
     if not same:
         raise SystemExit("the resumed run did not match the uninterrupted one")
 
 
 if __name__ == "__main__":
-    main()
+    main(OUT, ARGS.steps, LOG)

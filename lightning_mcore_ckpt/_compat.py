@@ -43,6 +43,18 @@ def versions() -> dict[str, str]:
     return dict(_versions())
 
 
+_OPTIONAL = (
+    ("transformers", "transformers"),
+    ("mbridge", "mbridge"),
+    ("nvidia_resiliency_ext", "nvidia-resiliency-ext"),
+)
+"""The optional libraries of :func:`versions`, by key and distribution: where installed."""
+
+
+def _optional_versions() -> dict[str, str]:
+    return {key: v for key, dist in _OPTIONAL if (v := package_version(dist)) is not None}
+
+
 @functools.cache
 def _versions() -> dict[str, str]:
     # Read once: a process keeps the modules it imported, whatever is installed later.
@@ -60,21 +72,41 @@ def _versions() -> dict[str, str]:
         or package_version("megatron-core")
         or "unknown",
     }
-    for key, dist in (
-        ("transformers", "transformers"),
-        ("mbridge", "mbridge"),
-        ("nvidia_resiliency_ext", "nvidia-resiliency-ext"),
-    ):
-        version = package_version(dist)
-        if version is not None:
-            found[key] = version
+    found.update(_optional_versions())
+    return found
+
+
+_MODULES = {"torch": "torch", "lightning": "lightning", "megatron_core": "megatron.core"}
+"""The libraries of :func:`versions` read from their modules, by their key there."""
+
+
+def installed_versions() -> dict[str, str]:
+    """The versions of :func:`versions` without importing a library to read its version: from
+    the module where this process has imported it, else from its installed distribution (which
+    may lack the module's local build label: torch ``2.13.0`` for ``2.13.0+cu130``). For
+    commands that compare a step's versions with this installation's and load no library.
+
+    Example::
+
+        installed_versions()["megatron_core"]  # "0.19.2"; "0.19.2+fe4e048" once imported
+    """
+    if all(module in sys.modules for module in _MODULES.values()):
+        return versions()
+    from lightning_mcore_ckpt import _version
+
+    found = {"lightning_mcore_ckpt": _version.__version__}
+    for key, module in _MODULES.items():
+        loaded = getattr(sys.modules.get(module), "__version__", None)
+        found[key] = loaded or package_version(module.replace(".", "-")) or "unknown"
+    found.update(_optional_versions())
     return found
 
 
 def _mcore_at_least(version: str) -> bool:
     from packaging.version import Version
 
-    return Version(versions()["megatron_core"]).release >= Version(version).release
+    installed = installed_versions()["megatron_core"]
+    return Version(installed).release >= Version(version).release
 
 
 @functools.cache
@@ -330,7 +362,8 @@ def check_readable(step: Any, subdirs: tuple[str, ...] = ("model", "optim")) -> 
         written = ((markers.read_metadata(step) or {}).get("versions") or {}).get("megatron_core")
         raise ValueError(
             f"{step} was written by megatron-core {written or '0.17 or newer'}, whose format "
-            f"megatron-core {versions()['megatron_core']} cannot read ({sub}/ keeps its common "
+            f"megatron-core {installed_versions()['megatron_core']} cannot read ({sub}/ keeps "
+            "its common "
             "state inside the torch_dist files, not in common.pt). Load it with megatron-core "
             ">= 0.17 (Python >= 3.12), where every step written by 0.16 also loads."
         )

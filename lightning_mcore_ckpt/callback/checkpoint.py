@@ -304,6 +304,10 @@ class MegatronCheckpoint(ModelCheckpoint):
         share_directory(trainer, self._root, self.config, self._tiers, stage)  # one, or per node
         open_tiers(trainer, self._tiers, stage)
         agree_on_last(trainer, self._root, self._found_last)  # only after ckpt_path="last"
+        if self._found_last is False and trainer.is_global_zero:
+            log.warning(
+                'ckpt_path="last": no complete checkpoint in %s, starting from scratch', self._root
+            )
         self._found_last = None
         if self.config.fast_tier is not None and stage == "fit":
             strategy = trainer.strategy
@@ -680,10 +684,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         self._found_last = has_last(trainer, self.save_contents, self._tiers)
         if self._found_last:
             return {str(self._root)}
-        if trainer.is_global_zero:
-            log.warning(
-                'ckpt_path="last": no complete checkpoint in %s, starting from scratch', self._root
-            )
+        # Said in setup, by rank 0: the ranks are not known yet (each believes it is rank 0).
         # Lightning's own warning, which follows, would suggest save_last=True: silenced for
         # this one call (the filters are restored in setup, which comes next).
         self._filters = list(warnings.filters)

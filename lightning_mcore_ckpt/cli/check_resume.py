@@ -8,6 +8,8 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt.cli.failure import fail, missing
@@ -16,6 +18,11 @@ __all__ = ["EXIT_JOB_FAILED", "add_parsers"]
 
 EXIT_JOB_FAILED = 3
 """``check-resume``'s exit code when a run of the job fails to run (1 is a divergence)."""
+
+LOG_NAME = "check-resume.log"
+"""The log of the runs in ``--workdir``: what every rank's Lightning prints about itself
+(``GPU available: ...``) and the known notices of the libraries underneath
+(:func:`~lightning_mcore_ckpt.notices.log_known_notices`), kept out of the report's way."""
 
 
 def add_parsers(commands: Any) -> None:
@@ -67,7 +74,10 @@ def add_parsers(commands: Any) -> None:
         "directory (default: the config's trainer.num_nodes, or 1)",
     )
     check.add_argument(
-        "--workdir", help="keep every run's checkpoints and records here (a new directory)"
+        "--workdir",
+        help="keep every run's checkpoints and records here (a new directory), and the log of "
+        f"the runs ({LOG_NAME}: Lightning's banners, the libraries' known notices); without "
+        "it the log is a new file in the system's temporary directory",
     )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(handler=_check_resume)
@@ -83,9 +93,10 @@ def _check_resume(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             "check-resume reads a LightningCLI config and needs the cli extra: "
             "pip install 'lightning-mcore-ckpt[cli]'"
         )
-    from lightning_mcore_ckpt import notices
     from lightning_mcore_ckpt.resume_check import JobFailed, check_resume
     from lightning_mcore_ckpt.resume_check._run import HOWS
+
+    log, made = _log_file(args.workdir)
 
     # With --json, stdout carries the report only: what the runs print (progress, model
     # summaries) goes to stderr, also from the rank processes started meanwhile.
@@ -93,12 +104,6 @@ def _check_resume(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     stdout = os.dup(1)
     if args.json:
         os.dup2(2, 1)
-    # The processes that run the job warn as they import what they preload: the known notices
-    # of the libraries underneath are kept out of the report's way there too.
-    warning_options = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = ",".join(
-        o for o in (warning_options, notices.python_warnings(cpu=True)) if o
-    )
     failed = False
     try:
         report = check_resume(
@@ -108,20 +113,32 @@ def _check_resume(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             how=tuple(args.how) if args.how else HOWS,
             nodes=args.nodes,
             workdir=args.workdir,
+            log_file=log,
         )
     except JobFailed as err:  # the job's own error: its verdict, not a divergence
         report, failed = err.report, True
     except (FileNotFoundError, ValueError) as err:
+        if made and log.is_file() and log.stat().st_size == 0:  # no run started
+            log.unlink()
         return fail(err)
     finally:
         sys.stdout.flush()
         os.dup2(stdout, 1)
         os.close(stdout)
-        if warning_options is None:
-            os.environ.pop("PYTHONWARNINGS", None)
-        else:
-            os.environ["PYTHONWARNINGS"] = warning_options
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    # stdout is the report alone.
+    print(f"the runs' Lightning banners and the libraries' own notices: {log}", file=sys.stderr)
     if failed:
         return EXIT_JOB_FAILED
     return 0 if report.exact else 1
+
+
+def _log_file(workdir: str | None) -> tuple[Path, bool]:
+    """Where the runs' log goes: ``--workdir``'s :data:`LOG_NAME` (written once the check has
+    found the directory new or empty), else a new file in the system's temporary directory
+    (the check's own directory is removed at its end); whether this made it."""
+    if workdir is not None:
+        return Path(workdir).expanduser().absolute() / LOG_NAME, False
+    fd, name = tempfile.mkstemp(prefix="check-resume-", suffix=".log")
+    os.close(fd)
+    return Path(name), True

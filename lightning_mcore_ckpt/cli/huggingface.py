@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mcore_ckpt.cli.failure import fail, missing
+from lightning_mcore_ckpt.cli.report import human_bytes
 
 __all__ = ["add_parsers"]
 
@@ -153,13 +154,12 @@ def _export_to(args: argparse.Namespace, out_url: str | None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as err:
         return fail(err)
     print(
-        f"exported {summary['tensors']} tensors ({summary['bytes'] / 1e9:.3f} GB) to "
+        f"exported {summary['tensors']} tensors ({human_bytes(summary['bytes'])}) to "
         f"{summary['path']} in {summary['seconds']:.1f}s"
     )
     if out_url is not None:
-        print(
-            f"uploaded {publication.upload_tree(Path(args.out), out_url) / 1e9:.3f} GB to {out_url}"
-        )
+        sent = publication.upload_tree(Path(args.out), out_url)
+        print(f"uploaded {human_bytes(sent)} to {out_url}")
     if args.upload_to is not None:
         try:
             done = hf.upload_export(args.out, args.step_dir, args.upload_to, private=args.private)

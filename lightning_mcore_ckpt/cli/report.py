@@ -156,16 +156,28 @@ def collect(dirpath: str | os.PathLike[str]) -> Report:
     )
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def _binary_unit(num: float) -> tuple[float, str]:
+    """The largest unit of :data:`_UNITS` that ``num`` bytes fill at least once, and its size."""
+    power = 0
+    while power < len(_UNITS) - 1 and num >= 1024 ** (power + 1):
+        power += 1
+    return float(1024**power), _UNITS[power]
+
+
 def human_bytes(num: Any) -> str:
-    """``num`` bytes for people: "1.3 MiB"."""
-    if not isinstance(num, int | float):
+    """``num`` bytes for people, in the unit that fits: "512 B", "356.9 KiB", "1.3 MiB".
+
+    Example::
+
+        human_bytes(1_368_453)  # "1.3 MiB"
+    """
+    if not isinstance(num, int | float) or isinstance(num, bool):
         return "-"
-    value = float(num)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return "-"  # pragma: no cover
+    scale, unit = _binary_unit(float(num))
+    return f"{num / scale:.0f} {unit}" if unit == "B" else f"{num / scale:.1f} {unit}"
 
 
 def _seconds(value: Any) -> str:
@@ -400,10 +412,7 @@ def plot(report: Report, out: str | os.PathLike[str]) -> None:
 
     sizes = series("size_bytes")
     biggest = max((x for x in sizes if x == x), default=0.0)
-    scale, unit = next(
-        ((f, u) for f, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if biggest >= f),
-        (1.0, "bytes"),
-    )
+    scale, unit = _binary_unit(biggest)  # as the table's sizes (human_bytes)
     fig, (time_ax, size_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
     try:
         time_ax.plot(steps, series("total_time_s"), marker="o", label="total (until committed)")

@@ -49,6 +49,7 @@ os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 import torch  # after the environment variable above
 
 from lightning_mcore_ckpt.launch._child import ask_a_child
+from lightning_mcore_ckpt.notices import known_notices_hidden
 
 __all__ = ["CUDA_INITIALISED_BY", "PRELOADED", "answered_counts", "no_cuda_initialisation"]
 
@@ -129,7 +130,11 @@ def no_cuda_initialisation() -> Iterator[None]:
 
 
 def _preload() -> None:
-    with no_cuda_initialisation():
+    # What the libraries say about themselves as they are imported (Megatron-Core's fallbacks,
+    # torch's "No CUDA runtime is found": lightning_mcore_ckpt.notices) is said once per server,
+    # before any rank runs, where no rank's log would keep it: hidden while they are imported.
+    # The filters are as before afterwards, so the ranks forked from here start as usual.
+    with no_cuda_initialisation(), known_notices_hidden():
         for name in _MODULES:
             try:
                 __import__(name)

@@ -255,14 +255,20 @@ def _job_main(
     ckpt_path: str | None,
     how: str | None,
     stop_at: int,
+    log_file: str | None,
 ) -> None:
     import torch
 
-    from lightning_mcore_ckpt.notices import hide_known_notices
+    from lightning_mcore_ckpt.notices import hide_known_notices, log_known_notices
 
-    # A process of the check's own: what the libraries underneath say about themselves stays
-    # out of the report's way (the job's own warnings and errors are shown).
-    hide_known_notices(cpu=not torch.cuda.is_available())
+    # A process of the check's own: what the libraries underneath say about themselves (and,
+    # with a log file, Lightning's banners) stays out of the report's way; the job's own
+    # warnings and errors are shown.
+    cpu = not torch.cuda.is_available()
+    if log_file is None:
+        hide_known_notices(cpu=cpu)
+    else:
+        log_known_notices(log_file, cpu=cpu)
     try:
         run_job(source, Path(run_dir), place, max_steps, ckpt_path, how, stop_at)
     except BaseException as err:
@@ -280,6 +286,7 @@ def _launch(
     how: str | None,
     stop_at: int,
     timeout: float,
+    log_file: str | None,
 ) -> DistributedFailure | None:
     """Run the job (on ``place.nodes`` simulated nodes when more than one, each with its own
     directory at ``place.fast_dir``'s parent); what stopped it when it failed to run (``None``:
@@ -287,7 +294,7 @@ def _launch(
     from lightning_mcore_ckpt.launch.local import run_distributed
     from lightning_mcore_ckpt.launch.nodes import run_nodes
 
-    args = (source, str(run_dir), place, max_steps, ckpt_path, how, stop_at)
+    args = (source, str(run_dir), place, max_steps, ckpt_path, how, stop_at, log_file)
     try:
         if place.nodes > 1:
             node_dir = place.fast_dir.parent
@@ -314,6 +321,7 @@ def check_resume(
     workdir: str | Path | None = None,
     check_determinism: bool = True,
     timeout: float = 600.0,
+    log_file: str | Path | None = None,
 ) -> ResumeReport:
     """Prove that a job resumes exactly: run it whole, and interrupted and resumed, and compare.
 
@@ -350,6 +358,11 @@ def check_resume(
     tier, ``nodes >= 2`` and a ``stop_at`` after a fast step newer than the persistent tier's
     last step.
 
+    ``log_file``: every rank of every run writes Lightning's banners (``GPU available: ...``)
+    and the known notices of the libraries underneath there (appended;
+    :func:`~lightning_mcore_ckpt.notices.log_known_notices`) rather than on stderr. ``None``:
+    Lightning's banners are shown, and the libraries' known notices hidden.
+
     Example::
 
         report = check_resume(build, stop_at=5, max_steps=10, world_size=2)
@@ -367,7 +380,8 @@ def check_resume(
     report = ResumeReport(stop_at=stop_at, max_steps=max_steps, world_size=world_size)
     report.nodes = nodes
     report.workdir = None if owned else str(root)
-    runs = _Runs(source, report, timeout, needs_fast_tier="wipe-node" in hows)
+    log = None if log_file is None else str(Path(log_file).absolute())
+    runs = _Runs(source, report, timeout, needs_fast_tier="wipe-node" in hows, log_file=log)
     try:
         ref = runs.launch(root / "reference" / "run", None, None, "the uninterrupted run")
         if check_determinism:
@@ -507,10 +521,15 @@ class _Runs:
     """Launches the job's runs of one check; a run that fails to run ends the check."""
 
     def __init__(
-        self, source: Any, report: ResumeReport, timeout: float, needs_fast_tier: bool
+        self,
+        source: Any,
+        report: ResumeReport,
+        timeout: float,
+        needs_fast_tier: bool,
+        log_file: str | None,
     ) -> None:
         self.source, self.report, self.timeout = source, report, timeout
-        self.needs_fast_tier = needs_fast_tier
+        self.needs_fast_tier, self.log_file = needs_fast_tier, log_file
 
     def place(self, base: Path) -> Placement:
         """Where the runs under ``base`` (an interrupted run and its resume) keep checkpoints:
@@ -538,6 +557,7 @@ class _Runs:
             way,
             report.stop_at,
             self.timeout,
+            self.log_file,
         )
         if failed is not None:
             wrong = misfit(run_dir / "probe")

@@ -6,6 +6,10 @@ made of. The non-tensor objects inside its shard files (``torch.save`` bytes tha
 with ``weights_only=False`` while Megatron-Core loads) and megatron-core 0.16's ``common.pt`` are
 scanned, without unpickling them, by :func:`check_dist_checkpoint` (see ``_safe_load``).
 
+:func:`index_extents` reads what an index references without torch (each name it holds made
+inert data): how ``ls``, ``report`` and ``"last"`` check that a step's shards are whole, in the
+time it takes to read the file.
+
 Imports nothing from the package but ``_safe_load`` (``layout`` reads indexes through it).
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import os
 import pickle
@@ -22,7 +27,7 @@ from typing import IO, Any
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import remote_files
 
-__all__ = ["COMMON_FILE", "check_dist_checkpoint", "read_dcp_metadata"]
+__all__ = ["COMMON_FILE", "check_dist_checkpoint", "index_extents", "read_dcp_metadata"]
 
 COMMON_FILE = "common.pt"
 """Megatron-Core 0.16's common (non-sharded) state of a torch_dist directory."""
@@ -65,6 +70,71 @@ class _IndexUnpickler(pickle.Unpickler):
                 return found
         self.refused.append(f"{module}.{name}")
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an index")
+
+
+class _Inert:
+    """An object of an index read without torch: the arguments it was made with and its state,
+    as data (nothing of the class it names runs)."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        if not all(p is None or isinstance(p, dict) for p in parts):  # a custom state
+            self.__dict__["state"] = state
+            return
+        for part in parts:  # a __dict__, or (a __dict__, the slots)
+            self.__dict__.update(part or {})
+
+
+@functools.cache
+def _inert(name: str) -> type[_Inert]:
+    return type(name, (_Inert,), {})
+
+
+_PLAIN = frozenset({("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")})
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """Reads an index without torch: each name of torch's or of its checkpoint modules becomes
+    an inert class (:class:`_Inert`); any other name is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PLAIN:
+            return super().find_class(module, name)
+        if module in ("torch", "torch.serialization") or module in _DCP_MODULES:
+            return _inert(f"{module}.{name}")
+        raise _safe_load.UnsafeCheckpointError(
+            f"{module}.{name} is not part of a torch.distributed.checkpoint index"
+        )
+
+
+def index_extents(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """The files a torch_dist directory's ``.metadata`` index references (relative to the
+    directory), each with the bytes the index needs of it (its largest offset + length).
+
+    Read without importing torch, and without running code from the file: every name the index
+    holds is made inert data. Raises ``UnsafeCheckpointError`` when it names anything else
+    than torch's or its checkpoint modules' (whether such a step may be loaded is decided when
+    it is loaded), any other error when it is missing or garbled.
+
+    Example::
+
+        index_extents("checkpoints/run/global_step_100/model")
+        # {"__0_0.distcp": 57666, "__0_1.distcp": 56405, ...}
+    """
+    index = Path(directory) / ".metadata"
+    with open(index, "rb") as f:
+        try:
+            metadata = _InertUnpickler(f).load()
+        except _safe_load.UnsafeCheckpointError as err:
+            raise _safe_load.UnsafeCheckpointError(f"{index}: {err}") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return needed
 
 
 def read_dcp_metadata(directory: str | os.PathLike[str], *, trusted: bool = False) -> Any:

@@ -41,9 +41,19 @@ def test_the_config_example_resumes_exactly_every_way(tmp_path: Path) -> None:
         "--max-steps",
         "6",
         "--json",
+        "--workdir",
+        str(tmp_path / "work"),
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
+    # Every rank's Lightning banners and the libraries' known notices are in the runs' log,
+    # which the command names last; its own notices are shown (SIGTERM, the killed run's lock).
+    log = tmp_path / "work" / "check-resume.log"
+    assert done.stderr.rstrip().endswith(f"notices: {log}"), done.stderr
+    assert "SIGTERM received: saving step 3 synchronously and stopping" in done.stderr
+    banners = ("GPU available: False", "Initializing distributed: GLOBAL_RANK: 1", "Seed set to 0")
+    assert [b for b in banners if b in done.stderr] == [], done.stderr
+    assert [b for b in banners if b not in log.read_text()] == []
     assert report["exact"] and report["deterministic"] and report["world_size"] == 2
     assert [(r["how"], r["exact"]) for r in report["results"]] == [
         ("clean", True),

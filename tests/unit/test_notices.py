@@ -1,5 +1,6 @@
-"""The known notices of the libraries underneath are hidden where our entry points ask, and
-nowhere else: importing the package changes no filter; everything else is still shown."""
+"""The known notices of the libraries underneath are hidden (or, with Lightning's banners, kept in
+a log) where our entry points ask, and nowhere else: importing the package changes no filter;
+everything else is still shown."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 from lightning_mcore_ckpt.notices import (
     KNOWN,
+    ROUTINE,
     hide_known_notices,
     known_notices_hidden,
     python_warnings,
@@ -125,3 +128,72 @@ def test_the_process_wide_filters_and_pythonwarnings_hide_the_same_warnings() ->
         for notice in KNOWN:
             assert notice.message not in done.stderr, (how, notice.message)
     assert hide_known_notices.__doc__  # the entry points' call, documented
+
+
+_ROUTED = """
+import logging, os, sys, warnings
+from lightning_mcore_ckpt.notices import KNOWN, ROUTINE, log_known_notices
+if sys.argv[2] == "routed":
+    log_known_notices(sys.argv[1], cpu=True)
+from lightning.fabric.utilities.distributed import log as distributed
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+def emit(who):
+    rank_zero_info(f"GPU available: False, used: False ({who})")  # Lightning's banners
+    distributed.info(f"Initializing distributed: GLOBAL_RANK: 0 ({who})")
+    for n in (*KNOWN, *ROUTINE):  # the libraries' known notices, Lightning's routine warnings
+        text = f"{n.message} ({who}, as {n.source} says it)"
+        if n.logger:
+            logging.getLogger(n.source).warning(text)
+        else:
+            warnings.warn_explicit(text, n.category, who, len(text))
+    logging.getLogger("lightning_mcore_ckpt.callback").warning(f"a notice of ours ({who})")
+    warnings.warn_explicit(f"a warning of the user ({who})", UserWarning, who, 1)
+    logging.getLogger("lightning.pytorch").error(f"an error of Lightning's ({who})")
+
+emit("parent")
+if os.fork() == 0:  # a rank forked from it (as the resume check's are)
+    emit("rank")
+    os._exit(0)
+os.wait()
+"""
+
+
+def _run_routed(log: Path, how: str) -> tuple[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _ROUTED, str(log), how],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr, log.read_text() if log.exists() else ""
+
+
+def test_the_log_takes_lightnings_banners_and_the_known_notices_in_every_process(
+    tmp_path: Path,
+) -> None:
+    stderr, log = _run_routed(tmp_path / "out" / "run.log", "routed")
+    for who in ("parent", "rank"):
+        kept = [
+            f"GPU available: False, used: False ({who})",
+            f"Initializing distributed: GLOBAL_RANK: 0 ({who})",
+            *(f"{n.message} ({who}, as {n.source} says it)" for n in (*KNOWN, *ROUTINE)),
+        ]
+        shown = [
+            f"a notice of ours ({who})",
+            f"a warning of the user ({who})",
+            f"an error of Lightning's ({who})",
+        ]
+        assert [t for t in kept if t not in log] == [], log
+        assert [t for t in kept if t in stderr] == [], stderr
+        assert [t for t in shown if t not in stderr] == [], stderr
+    assert "a notice of ours" not in log and "a warning of the user" not in log
+
+
+def test_without_the_log_lightnings_banners_are_on_stderr(tmp_path: Path) -> None:
+    stderr, log = _run_routed(tmp_path / "run.log", "as usual")
+    assert log == ""
+    assert "GPU available: False, used: False (parent)" in stderr
+    assert "a notice of ours (rank)" in stderr

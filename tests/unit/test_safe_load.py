@@ -87,6 +87,26 @@ def test_a_dcp_index_that_would_run_code_is_refused_wherever_it_is_read(
     assert marker.exists()
 
 
+@pytest.mark.parametrize("sub", ["model", "optim"])
+def test_what_an_index_references_is_read_without_torch_as_torch_reads_it(sub: str) -> None:
+    index = _safe_dcp.read_dcp_metadata(STEP / sub)
+    needed: dict[str, int] = {}
+    for info in index.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    assert _safe_dcp.index_extents(STEP / sub) == needed
+
+
+def test_an_index_that_would_run_code_is_refused_by_the_reader_without_torch(
+    step: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    crafted_index(step / "model", marker)
+    with pytest.raises(UnsafeCheckpointError, match=r"model/\.metadata: posix\.system is not"):
+        _safe_dcp.index_extents(step / "model")
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize(
     ("sub", "key"),
     [("optim", "common_state"), ("model", "gpt.decoder.layers.mlp.linear_fc1._extra_state")],
@@ -183,3 +203,4 @@ def test_a_garbled_index_is_damage_not_a_refusal(step: Path) -> None:
     with pytest.raises(Exception) as err:
         _safe_dcp.read_dcp_metadata(step / "model")
     assert not isinstance(err.value, UnsafeCheckpointError)
+

@@ -30,7 +30,7 @@ from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.markers import METADATA_FILE, read_metadata
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
-from lightning_mcore_ckpt.safety.names import UnsafeNameError, in_step
+from lightning_mcore_ckpt.safety.names import UnsafeNameError, in_step, inside
 from lightning_mcore_ckpt.storage import atomic as _atomic
 from lightning_mcore_ckpt.storage import remote_files
 
@@ -208,7 +208,11 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
     if not (directory / "metadata.json").is_file():  # Megatron-Core's: how to read the rest
         problems.append(f"{directory / 'metadata.json'} is missing")
     for name, size in sorted(needed.items()):
-        shard = directory / name
+        try:  # a name from the index: a path only inside its directory
+            shard = inside(directory, name, f"{index}'s shard list")
+        except UnsafeNameError as err:
+            problems.append(str(err))
+            continue
         if (found := remote_files.size_of(shard)) is None:  # local, or a view's file in a store
             problems.append(f"{shard} is missing")
         elif found < size:

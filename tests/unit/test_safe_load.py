@@ -204,3 +204,15 @@ def test_a_garbled_index_is_damage_not_a_refusal(step: Path) -> None:
         _safe_dcp.read_dcp_metadata(step / "model")
     assert not isinstance(err.value, UnsafeCheckpointError)
 
+
+@pytest.mark.parametrize("hostile", ["../../outside.distcp", "/etc/hostname", "a//b"])
+def test_a_shard_name_in_an_index_is_a_path_only_inside_its_directory(
+    step: Path, hostile: str
+) -> None:
+    index = _safe_dcp.read_dcp_metadata(step / "model")
+    for key, info in list(index.storage_data.items())[:1]:
+        index.storage_data[key] = dataclasses.replace(info, relative_path=hostile)
+    with open(step / "model" / ".metadata", "wb") as f:
+        pickle.dump(index, f)
+    problems = layout.verify_step(step)
+    assert any(repr(hostile) in p and "shard list" in p for p in problems), problems

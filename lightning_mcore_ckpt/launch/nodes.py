@@ -186,6 +186,10 @@ def _node_main(
                 results.put((rank, False, why, time.monotonic()))
             raise
         tempfile.tempdir = None  # asked again, of TMPDIR
+        # The node's host name resolves nowhere: gloo would fall back to loopback with a
+        # warning per rank. Every simulated node is on this machine's loopback.
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            node_env["GLOO_SOCKET_IFNAME"] = "lo"
     fork = mp.get_context("fork")  # the ranks: children in this node's namespaces and group
     ranks: dict[Any, tuple[int, Any]] = {}
     for local in range(per_node):

@@ -201,8 +201,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(relative, len(rank))
 
     items.sort(key=order)  # stable: within a file and among the others, the usual order
-    # More simulated-node cells than CI's tier runs: only when asked for by marker.
-    if "nodes_extended" not in (config.option.markexpr or ""):
+    # More simulated-node cells than the quick tier runs: when asked for by marker, or in CI
+    # (LMC_NODES_EXTENDED=1, which .ci/run sets).
+    asked = "nodes_extended" in (config.option.markexpr or "")
+    if not asked and os.environ.get("LMC_NODES_EXTENDED") != "1":
         outside = pytest.mark.skip(reason="more simulated-node cells: run with -m nodes_extended")
         for item in items:
             if item.get_closest_marker("nodes_extended") is not None:

@@ -127,8 +127,12 @@ def test_a_silent_node_ends_every_other_rank_within_the_timeout_and_costs_nothin
     )
     assert all(named.search(o.error or "") for o in survivors), [o.error for o in survivors]
     root = Path(run, "ckpt")
-    assert layout.read_tracker(root) == 2  # "last" is still the previous step
-    assert [s.step for s in layout.complete_steps(root)] == [2]
+    # "last" is still the previous step. Node 0 also runs rank 0's commit thread: silenced
+    # before step 2's commit ended (on loaded cores a commit may outlast a step), it leaves
+    # step 2 uncommitted too, and "last" names nothing; never a step without its marker.
+    committed = [s.step for s in layout.complete_steps(root)]
+    assert committed == [2] or (node == 0 and committed == []), committed
+    assert layout.read_tracker(root) == (committed[-1] if committed else None)
     # Global rank 0 holds the directory's lock: silent, then killed, it leaves it (a dead
     # holder's lock, which the next run takes over).
     lock = {".lightning_mcore_ckpt.lock"} if node == 0 else set()

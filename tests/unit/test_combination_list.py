@@ -75,4 +75,4 @@ def test_testing_md_names_the_tiers_and_the_command_ci_runs() -> None:
 def test_the_readme_test_command_is_the_one_ci_runs_on_python_3_12() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "\nbash scripts/test.sh " in readme
-    assert "LMC_REQUIRE_OTHER=1 bash scripts/test.sh" in _ci_lines()
+    assert "LMC_REQUIRE_OTHER=1 LMC_NODES_EXTENDED=1 bash scripts/test.sh" in _ci_lines()

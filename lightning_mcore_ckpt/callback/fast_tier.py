@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from lightning_mcore_ckpt.callback.fast_records import RECORDS, FastRecords
 from lightning_mcore_ckpt.callback.nodes import Sharing, probe_sharing
 from lightning_mcore_ckpt.errors import ConfigurationError
-from lightning_mcore_ckpt.fast.peers import NodeMap
+from lightning_mcore_ckpt.fast.peers import Data, NodeMap
 from lightning_mcore_ckpt.fast.recovery import Recovery, recover
 from lightning_mcore_ckpt.fast.writer import FastSave, FastWriter
 from lightning_mcore_ckpt.format import metrics
@@ -155,10 +155,11 @@ class FastTierRun:
 
     # --- recovery -------------------------------------------------------------------------
 
-    def recover(self, state: TrainingState) -> tuple[str, Path] | None:
+    def recover(self, state: TrainingState, *, keep: bool = False) -> tuple[str, Path] | None:
         """Which tier and step ``ckpt_path="last"`` loads (collective, from the strategy's
         load): ``("fast", step directory)``, ``("persistent", its directory)``, or ``None``
-        when neither tier holds a step."""
+        when neither tier holds a step. ``keep``: the caller loads this rank's files from the
+        bytes the recovery checked (:meth:`take_held`), not from the directory."""
         import torch.distributed as dist
 
         newest = self._persistent_last() if state.rank == 0 else None
@@ -176,6 +177,7 @@ class FastTierRun:
             writer.group,
             dict(state.parallel_layout),
             check_finite=self.config.check_finite,
+            keep=keep,
         )
         if state.rank == 0:
             self._announce(found, newest)
@@ -183,6 +185,16 @@ class FastTierRun:
         if found.directory is not None:
             return "fast", found.directory
         return None if newest is None else ("persistent", Path(self._persistent))
+
+    def take_held(self) -> dict[str, Data] | None:
+        """This rank's own files of the fast step just recovered with ``keep``, by their names
+        in the step, as they matched their seal: the load uses these bytes and reads none of
+        the files again. Handed over once (then ``None``): the memory goes with the load."""
+        found = self.recovery
+        if found is None or found.held is None:
+            return None
+        held, found.held = found.held, None
+        return held.named()
 
     def _announce(self, found: Recovery, newest: int | None) -> None:
         for why in found.skipped:
@@ -203,6 +215,8 @@ class FastTierRun:
     def log_recovery(self) -> None:
         """Log how the resume was served (rank 0, once training runs)."""
         found, self.recovery = self.recovery, None
+        if found is not None:
+            found.held = None  # not taken by the load: its memory goes now
         if found is None or not self._trainer.is_global_zero:
             return
         step = found.step if found.step is not None else self._trainer.global_step

@@ -156,9 +156,10 @@ def write(path: Any, payload: dict[str, Any]) -> tuple[int, str]:
     return written[-1]
 
 
-def read(path: Any, *, trusted: bool = False) -> dict[str, Any]:
-    """A rank's state file, checked before it is unpickled (unless ``trusted``)."""
-    payload = cast("dict[str, Any]", _safe_load.load_torch_file(path, trusted=trusted))
+def read(path: Any, *, trusted: bool = False, data: Any = None) -> dict[str, Any]:
+    """A rank's state file, checked before it is unpickled (unless ``trusted``); ``data``: its
+    bytes, already read (loaded from memory)."""
+    payload = cast("dict[str, Any]", _safe_load.load_torch_file(path, trusted=trusted, data=data))
     version = payload.get("version")
     if not isinstance(version, int) or version > RANK_STATE_VERSION:
         raise ValueError(

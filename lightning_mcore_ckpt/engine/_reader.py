@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,17 +159,25 @@ class CheckpointReader:
                 log.info("ckpt_parallel_load needs CUDA; loading without it on CPU")
         return strategy
 
-    def check_extra(self, directory: Path, state: TrainingState, *, trusted: bool = False) -> None:
+    def check_extra(
+        self,
+        directory: Path,
+        state: TrainingState,
+        *,
+        trusted: bool = False,
+        held: Mapping[Path, Any] | None = None,
+    ) -> None:
         """Refuse, on every rank, an ``extra/`` file that any rank may not unpickle (collective).
 
         Each rank loads the file it will read (as :meth:`load_extra` does, with
         ``weights_only=True``); a refusal on any rank is raised on every rank, naming the file.
+        ``held``: files' bytes already read, by path (a fast-tier recovery's checked copies).
         """
         source = self._extra_source(directory, state.rank)
         error: _safe_load.UnsafeCheckpointError | None = None
         if source is not None and not trusted:
             try:
-                _safe_load.load_torch_file(source)
+                _safe_load.load_torch_file(source, data=(held or {}).get(source))
             except _safe_load.UnsafeCheckpointError as err:
                 error = err
         found = first_failure(None if error is None else str(error), state.rank, state.device)
@@ -323,12 +332,22 @@ class CheckpointReader:
         if found is not None:
             raise ValueError(found[1])
 
-    def load_rank_state(self, step: Path, state: TrainingState, *, trusted: bool = False) -> None:
+    def load_rank_state(
+        self,
+        step: Path,
+        state: TrainingState,
+        *,
+        trusted: bool = False,
+        held: Mapping[Path, Any] | None = None,
+    ) -> None:
         """Load this rank's file of a fast-tier step (:mod:`~._rank_state`) into ``state``'s
         model and optimizers (local: each rank reads its own file, in the layout that saved
-        it). Checked before it is unpickled unless ``trusted``, as every step is."""
-        payload = _rank_state.read(step / _rank_state.state_name(state.rank), trusted=trusted)
-        stateless = self._saved_stateless(step / EXTRA_DIR, state, trusted)
+        it). Checked before it is unpickled unless ``trusted``, as every step is. ``held``: as
+        for :meth:`check_extra` (the file is then not read again)."""
+        held = held or {}
+        path = step / _rank_state.state_name(state.rank)
+        payload = _rank_state.read(path, trusted=trusted, data=held.get(path))
+        stateless = self._saved_stateless(step / EXTRA_DIR, state, trusted, held)
         _rank_state.load(payload, state, stateless)
 
     @staticmethod
@@ -487,19 +506,26 @@ class CheckpointReader:
 
     @staticmethod
     def _saved_stateless(
-        extra: Path, state: TrainingState, trusted: bool
+        extra: Path, state: TrainingState, trusted: bool, held: Mapping[Path, Any] | None = None
     ) -> list[list[int]] | None:
         # This rank's record, when the layout is the one that saved it.
+        held = held or {}
         own = extra / f"rank_{state.rank:05d}.pt"
-        if not own.is_file():
+        if own not in held and not own.is_file():
             return None
-        payload = _safe_load.load_torch_file(own, trusted=trusted)
+        payload = _safe_load.load_torch_file(own, trusted=trusted, data=held.get(own))
         if payload.get("parallel_layout") != state.parallel_layout:
             return None
         return payload.get("optimizer_stateless")
 
     def load_extra(
-        self, directory: Path, state: TrainingState, *, seed: int, trusted: bool = False
+        self,
+        directory: Path,
+        state: TrainingState,
+        *,
+        seed: int,
+        trusted: bool = False,
+        held: Mapping[Path, Any] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Lightning's state and the RNG from an ``extra/`` directory (local).
 
@@ -507,14 +533,14 @@ class CheckpointReader:
         re-derives it from ``seed`` and the saved step. Returns Lightning's checkpoint dict (with
         :data:`LOADED_FROM_KEY`) and the RNG state as loaded, to re-apply at the first resumed
         batch; ``({}, None)`` when there is no ``extra/``. Loaded with ``weights_only=True``
-        unless ``trusted`` (see :meth:`check_extra`).
+        unless ``trusted`` (see :meth:`check_extra`, and for ``held``).
         """
         source = self._extra_source(directory, state.rank)
         if source is None:
             log.warning("%s is missing: loops, callbacks and RNG start fresh", directory)
             return {}, None
         own = directory / f"rank_{state.rank:05d}.pt"
-        payload = _safe_load.load_torch_file(source, trusted=trusted)
+        payload = _safe_load.load_torch_file(source, trusted=trusted, data=(held or {}).get(source))
         version = payload.get("version", EXTRA_FORMAT_VERSION)
         if isinstance(version, int) and version > EXTRA_FORMAT_VERSION:
             raise ValueError(

@@ -12,7 +12,8 @@
 A node holds the files of its own ranks and the copies of its peers' ranks, under the same
 names: a copy is the same file on another node. A rank's files are whole on a node when its
 seal is whole and names their sizes (:func:`present`); they are unchanged when their bytes
-hash to the seal's digests (:func:`verify`, read in full: done for the step resumed only).
+hash to the seal's digests (:func:`verify`, read in full: done for the step resumed only;
+:func:`read_checked` keeps the bytes it read, so that they are loaded without a second read).
 
 A seal's file names are read from a node's disk or received from a peer: each must be one of
 the files its rank may have (:func:`files_of`) before it becomes a path (:func:`sealed_paths`).
@@ -21,10 +22,11 @@ the files its rank may have (:func:`files_of`) before it becomes a path (:func:`
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR
@@ -39,6 +41,7 @@ __all__ = [
     "is_complete",
     "mark_complete",
     "present",
+    "read_checked",
     "read_seal",
     "remove_step",
     "seal_name",
@@ -53,6 +56,7 @@ __all__ = [
 STEP_PREFIX = "fast_step_"
 COMPLETE = "complete.json"
 _STEP = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_CHUNK = 8 << 20
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -161,8 +165,26 @@ def present(step: Path, rank: int) -> bool:
 
 
 def verify(step: Path, rank: int) -> str | None:
-    """What is wrong with rank ``rank``'s copy in ``step`` (``None``: whole and unchanged)."""
-    record = read_seal(step, rank)
+    """What is wrong with rank ``rank``'s copy in ``step`` (``None``: whole and unchanged).
+    Reads every byte once, keeping none (:func:`read_checked` keeps them)."""
+    found = _checked(step, rank, keep=False)
+    return found if isinstance(found, str) else None
+
+
+def read_checked(step: Path, rank: int) -> tuple[bytes, list[bytearray]] | str:
+    """Rank ``rank``'s seal in ``step`` and its files' bytes, in the seal's order, each file
+    read once into memory and hashed as it is read; or what is wrong (as :func:`verify` says
+    it). The bytes returned are the bytes that matched the seal: a load that uses them reads
+    nothing again, and nothing that changed on disk since."""
+    return _checked(step, rank, keep=True)
+
+
+def _checked(step: Path, rank: int, keep: bool) -> tuple[bytes, list[bytearray]] | str:
+    try:
+        seal = (step / seal_name(rank)).read_bytes()
+    except OSError:
+        seal = b""
+    record = parse_seal(seal)
     if record is None:
         return f"{step / seal_name(rank)} is missing, torn or altered"
     if record.get("rank") != rank or record.get("step") != step_number(step):
@@ -171,21 +193,52 @@ def verify(step: Path, rank: int) -> str | None:
         paths = sealed_paths(step, record, rank)
     except UnsafeNameError as err:
         return str(err)
+    contents = []
     for name, entry in record["files"].items():
-        path = paths[name]
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return f"{path} is missing"
-        if size != entry["size"]:
-            return f"{path} has {size} bytes, its seal says {entry['size']} (torn)"
-        try:
-            digest = integrity.hash_file(path)
-        except OSError as err:
-            return f"{path} cannot be read: {err}"
+        found = _read_hashed(paths[name], entry["size"], keep)
+        if isinstance(found, str):
+            return found
+        data, digest = found
         if digest != entry["digest"]:
-            return f"{path} does not match its seal's digest (altered)"
-    return None
+            return f"{paths[name]} does not match its seal's digest (altered)"
+        contents.append(data)
+    return seal, contents
+
+
+def _read_hashed(path: Path, size: int, keep: bool) -> tuple[bytearray, str] | str:
+    """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
+    and hashed chunk by chunk while the chunk is fresh in the cache; or why not (a file
+    missing, or not of the ``size`` sealed)."""
+    try:
+        with open(path, "rb") as f:
+            actual = os.fstat(f.fileno()).st_size
+            if actual != size:
+                return f"{path} has {actual} bytes, its seal says {size} (torn)"
+            data = bytearray(size if keep else min(size, _CHUNK))
+            view = memoryview(data)
+            hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
+            done = 0
+            while done < size:
+                chunk = min(_CHUNK, size - done)
+                window = view[done : done + chunk] if keep else view[:chunk]
+                read = f.readinto(window)
+                if not read:
+                    return f"{path} ended after {done} of {size} bytes (torn)"
+                hasher.write(window[:read])
+                done += read
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as err:
+        return f"{path} cannot be read: {err}"
+    return (data if keep else bytearray()), hasher.digest
+
+
+class _Discard:
+    """Where :class:`~lightning_mcore_ckpt.format.integrity.HashingWriter` writes what it only
+    hashes (the seal's digest, computed the same way as when the file was written)."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
 
 
 def mark_complete(step: Path, record: dict[str, Any]) -> None:

@@ -91,6 +91,13 @@ class Bundle:
             raise ValueError(f"{step / files.seal_name(rank)} is torn, altered or another rank's")
         return cls(seal, [_read(path) for path in files.sealed_paths(step, record, rank).values()])
 
+    def named(self) -> dict[str, Data]:
+        """The files' bytes by their names in the seal (``{}`` for a torn seal)."""
+        record = files.parse_seal(self.seal)
+        if record is None or len(record["files"]) != len(self.contents):
+            return {}
+        return dict(zip(record["files"], self.contents, strict=True))
+
     def write(self, step: Path, rank: int) -> int:
         """Write the files into ``step`` (this node), checked against the seal, then the seal;
         the bytes written. Raises ``ValueError`` for a copy that does not match its seal, and

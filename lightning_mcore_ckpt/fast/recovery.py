@@ -7,16 +7,20 @@ Collective (every rank, at the load), in this order:
 2. the candidates: fast steps newer than the persistent tier's last one, marked complete on
    some node, newest first. For each, every rank's files must be on some node: the rank's own
    node first, else the nodes of its peers;
-3. the copies that would be used are read in full and hashed against their seals (each by a
-   rank of the node that holds it), and with ``check_finite`` loaded and checked for NaNs and
-   infinities; a torn, missing, altered or non-finite copy is passed over for the next holder,
-   and a rank with none left rules the step out, with a warning naming why;
-4. a rank whose own node lacks its good copy receives it from the holder, checks it, and writes
-   it into its node's directory (a replaced node is repopulated as it resumes);
+3. the copies that would be used are read once, in full, hashed as they are read and compared
+   with their seals (each by a rank of the node that holds it), and with ``check_finite`` loaded
+   from those bytes and checked for NaNs and infinities; a torn, missing, altered or non-finite
+   copy is passed over for the next holder, and a rank with none left rules the step out, with
+   a warning naming why;
+4. a rank whose own node lacks its good copy receives it from the holder (the bytes the holder
+   checked: not read again), checks it, and writes it into its node's directory (a replaced node
+   is repopulated as it resumes);
 5. every node drops the fast steps newer than the one chosen (the future that was not kept).
 
 The outcome: the fast step to load, or the persistent tier (``None`` there when it has no
-step either: the run starts from scratch).
+step either: the run starts from scratch). With ``keep``, it also holds the bytes of this
+rank's own files as they matched the seal (:attr:`Recovery.held`): the copy read from its node
+or received from a peer, so that the load uses them without reading the files again.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_mcore_ckpt.engine import non_finite, read_rank_state
+from lightning_mcore_ckpt.engine import non_finite
 from lightning_mcore_ckpt.fast import files
-from lightning_mcore_ckpt.fast.peers import Bundle, NodeMap, exchange
+from lightning_mcore_ckpt.fast.peers import Bundle, Data, NodeMap, exchange
 
 __all__ = ["Recovery", "recover"]
 
@@ -53,6 +57,9 @@ class Recovery:
     """Why each newer fast step was not used."""
     time_s: float = 0.0
     """How long finding and fetching took."""
+    held: Bundle | None = field(default=None, repr=False)
+    """This rank's own files of :attr:`step`, as they matched their seal, in memory (only with
+    ``recover(keep=True)``): the load uses these bytes, not the files."""
 
     @property
     def from_peers(self) -> int:
@@ -93,11 +100,14 @@ def recover(
     layout: dict[str, int] | None = None,
     *,
     check_finite: bool = False,
+    keep: bool = False,
 ) -> Recovery:
     """Find, check and fetch the fast step to resume (see the module). ``newer_than``: the
     persistent tier's last step (``None``: it has none); ``layout``: this run's parallel sizes
     (a step saved in others is not resumed); ``check_finite``: a copy holding a NaN or an
-    infinity is passed over. Collective over ``group``."""
+    infinity is passed over; ``keep``: this rank's own files, as checked, are kept in
+    :attr:`Recovery.held` for the load (else they are read again from the node's directory).
+    Collective over ``group``."""
     started = time.perf_counter()
     world = _world(group)
     inventories = _gather(_inventory(root, world, layout), group)
@@ -108,16 +118,20 @@ def recover(
         outcome.skipped.append("no node holds any fast step (their directories are empty)")
     for step in candidates:
         holders = _holders(inventories, nodes, step, world, replicas)
+        held: dict[int, Bundle] = {}  # the copies this rank read and checked, by owner
         checked = (
             _foreign(inventories, step)
             or _unheld(holders)
-            or _checked_sources(root, step, holders, rank, group, check_finite)
+            or _checked_sources(root, step, holders, rank, group, check_finite, keep, held)
         )
-        problem = checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group)
+        problem = (
+            checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group, held)
+        )
         if problem is not None or isinstance(checked, str):
             outcome.skipped.append(f"fast step {step}: {problem}")
             continue
-        outcome = Recovery(step, files.step_dir(root, step), checked, outcome.skipped)
+        mine = held.get(rank) if keep else None
+        outcome = Recovery(step, files.step_dir(root, step), checked, outcome.skipped, held=mine)
         break
     _drop_newer(root, nodes, rank, outcome.step, newer_than, inventories)
     outcome.time_s = time.perf_counter() - started
@@ -186,10 +200,13 @@ def _checked_sources(
     holders: dict[int, list[int]],
     rank: int,
     group: Any,
-    check_finite: bool = False,
+    check_finite: bool,
+    keep: bool,
+    held: dict[int, Bundle],
 ) -> dict[int, int] | str:
     """Per rank, the first holder whose copy hashes to its seal (and, with ``check_finite``,
-    holds no NaN or infinity); or why there is none."""
+    holds no NaN or infinity); or why there is none. Each copy this rank checks is read once;
+    ``held`` gets, by owner, the bytes of those it will send or (``keep``) load itself."""
     directory = files.step_dir(root, step)
     tried = {owner: 0 for owner in holders}
     problems: dict[int, list[str]] = {owner: [] for owner in holders}
@@ -200,7 +217,7 @@ def _checked_sources(
             why = "; ".join(p for o in failed for p in problems[o])
             return f"no whole copy of rank(s) {failed}'s files: {why}"
         mine = {
-            o: files.verify(directory, o) or (_non_finite(directory, o) if check_finite else None)
+            o: _check(directory, o, check_finite, keep or o != rank, held)
             for o, h in asked.items()
             if h == rank
         }
@@ -215,43 +232,71 @@ def _checked_sources(
             tried[owner] += 1
 
 
-def _non_finite(directory: Path, owner: int) -> str | None:
-    """What is not finite in rank ``owner``'s whole copy in ``directory`` (``None``: all is)."""
-    path = directory / files.files_of(owner)[0]
+def _check(
+    directory: Path, owner: int, check_finite: bool, keep: bool, held: dict[int, Bundle]
+) -> str | None:
+    """What is wrong with rank ``owner``'s copy in ``directory`` (``None``: whole, unchanged
+    and, with ``check_finite``, finite), read once; a good copy's bytes go to ``held`` when
+    ``keep``."""
+    if not keep and not check_finite:
+        return files.verify(directory, owner)  # nothing to keep: hashed as it streams by
+    found = files.read_checked(directory, owner)
+    if isinstance(found, str):
+        return found
+    seal, contents = found
+    bundle = Bundle(seal, list[Data](contents))
+    problem = _non_finite(directory, owner, bundle) if check_finite else None
+    if problem is None and keep:
+        held[owner] = bundle
+    return problem
+
+
+def _non_finite(directory: Path, owner: int, bundle: Bundle) -> str | None:
+    """What is not finite in rank ``owner``'s state, loaded from ``bundle`` (the bytes just
+    checked against the seal; ``None``: all of it is finite)."""
+    name = files.files_of(owner)[0]
+    path = directory / name
     try:
-        bad = non_finite(read_rank_state(path))
-    except (OSError, ValueError, RuntimeError) as err:
+        bad = non_finite(_payload(bundle.named()[name], path))
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
         return f"{path} cannot be loaded to check its values: {err}"
     return f"{path} holds non-finite values in {', '.join(bad)}" if bad else None
 
 
-def _fetch(root: Path, step: int, sources: dict[int, int], rank: int, group: Any) -> str | None:
-    """Bring each rank's copy to its own node where it comes from another (collective); the
-    problem, the same on every rank, or ``None``."""
+def _payload(data: Any, path: Path) -> Any:
+    """A state file's payload from its bytes in memory, checked before it is unpickled as a
+    load of the file is (torch's ``weights_only`` allowlist and the same extra types)."""
+    from lightning_mcore_ckpt.safety import safe_load
+
+    return safe_load.load_torch_file(path, data=data)
+
+
+def _fetch(
+    root: Path, step: int, sources: dict[int, int], rank: int, group: Any, held: dict[int, Bundle]
+) -> str | None:
+    """Bring each rank's copy to its own node where it comes from another (collective): the
+    holder sends the bytes it checked (``held``), the owner checks them on arrival, writes them
+    into its node's directory and keeps them in ``held``. The problem, the same on every rank,
+    or ``None``."""
     directory = files.step_dir(root, step)
     moves = [(owner, source) for owner, source in sources.items() if owner != source]
     error = None
-    outgoing = [(owner, _read(directory, owner)) for owner, source in moves if source == rank]
+    outgoing = [(owner, held.pop(owner, None)) for owner, source in moves if source == rank]
     incoming = [source for owner, source in moves if owner == rank]
     received = exchange(group, outgoing, incoming) if moves else {}
+    del outgoing  # sent: their memory goes
     for source, bundle in received.items():
         try:
             if bundle is None:
                 raise ValueError(f"rank {source} could not read it")
             bundle.write(directory, rank)
+            held[rank] = bundle
         except (OSError, ValueError) as err:
             error = (
                 f"rank {rank} ({socket.gethostname()}) fetching its files from rank {source}: {err}"
             )
     errors = [e for e in _gather(error, group) if e is not None]
     return "; ".join(errors) if errors else None
-
-
-def _read(directory: Path, owner: int) -> Bundle | None:
-    try:
-        return Bundle.read(directory, owner)
-    except (OSError, ValueError):
-        return None
 
 
 def _drop_newer(

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lightning_mcore_ckpt.storage import remote_files
+
 __all__ = [
     "SECURITY_DOC",
     "TRUST_ALL",
@@ -176,23 +178,27 @@ def trusted_by_user(weights_only: bool | None = None) -> bool:
     return os.environ.get(TRUST_ENV, "0").lower() in ("1", "y", "yes", "true")
 
 
-def load_torch_file(path: Path, *, trusted: bool = False) -> Any:
+def load_torch_file(path: Path, *, trusted: bool = False, data: Any = None) -> Any:
     """Load a ``torch.save`` file of ours (``extra/rank_<r>.pt``) on CPU.
 
     Checked first (see the module docstring), then loaded with ``weights_only=True`` and the
     :func:`extra_globals`. With ``trusted`` (:func:`trusted_by_user`), loaded as torch would
-    load any pickle.
+    load any pickle. ``data``: the file's bytes, already read (and checked against a digest):
+    loaded from memory, the file not read again; ``path`` names it in errors.
     """
     import torch
 
+    def source() -> Any:
+        return str(path) if data is None else remote_files.MemoryFile(data, str(path))
+
     if trusted:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(source(), map_location="cpu", weights_only=False)
     with allowing(extra_globals()):
-        unsafe = scan(str(path), str(path))
+        unsafe = scan(source(), str(path))
         if unsafe:
             raise refuse(str(path), unsafe)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(source(), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
             # The scan reads globals as written; the restricted unpickler also refuses what
             # would be done with allowed ones.

@@ -17,6 +17,7 @@ from typing import Any
 from lightning_mcore_ckpt.storage.object_store import ObjectStore
 
 __all__ = [
+    "MemoryFile",
     "RangeReader",
     "SeekableReader",
     "forget_remote",
@@ -49,6 +50,23 @@ class SeekableReader(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
         self._pos = max(0, base + offset)
         return self._pos
+
+
+class MemoryFile(SeekableReader):
+    """A read-only, seekable file over bytes already in memory (a ``bytearray``, a tensor's
+    view): read without a copy of them."""
+
+    def __init__(self, data: Any, name: str = "<memory>") -> None:
+        self._view = memoryview(data).cast("B")
+        super().__init__(len(self._view))
+        self.name = name
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        count = max(0, min(len(out), self._length - self._pos))
+        out[:count] = self._view[self._pos : self._pos + count]
+        self._pos += count
+        return count
 
 
 class RangeReader(SeekableReader):

@@ -756,9 +756,12 @@ class MegatronStrategy(ParallelStrategy):
         trusted = safe_load.trusted_by_user(weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        recover = getattr(self._reader.sources.get(str(checkpoint_path)), "recover", None)
+        source = self._reader.sources.get(str(checkpoint_path))
+        recover = getattr(source, "recover", None)
         if recover is not None:  # a fast tier: which tier and which step, decided together
-            found = recover(self._training_state())
+            # keep: this rank's files, read once and checked against their seal, are loaded
+            # from those bytes (one pass over them).
+            found = recover(self._training_state(), keep=True)
             if found is None:
                 if self.global_rank == 0:
                     log.warning(
@@ -768,7 +771,9 @@ class MegatronStrategy(ParallelStrategy):
                 return NothingLoaded()
             tier, checkpoint_path = found
             if tier == "fast":
-                return self._load_rank_files(checkpoint_path, trusted=trusted)
+                held = getattr(source, "take_held", lambda: None)() or {}
+                checked = {checkpoint_path / name: data for name, data in held.items()}
+                return self._load_rank_files(checkpoint_path, trusted=trusted, held=checked)
         # Evaluation reads no optimizer bytes: damage there does not stop it.
         reading = None if fitting else ("model", "extra")
         path = self._reader.resolve(checkpoint_path, self.global_rank, reading)
@@ -802,12 +807,15 @@ class MegatronStrategy(ParallelStrategy):
             self._load_optimizers(path / OPTIM_DIR, trusted=trusted)
         return self._load_extra(path / EXTRA_DIR, trusted=trusted)
 
-    def _load_rank_files(self, path: Path, *, trusted: bool = False) -> dict[str, Any]:
-        """Load a fast-tier step: each rank its own files, in the layout that saved them."""
+    def _load_rank_files(
+        self, path: Path, *, trusted: bool = False, held: dict[Path, Any] | None = None
+    ) -> dict[str, Any]:
+        """Load a fast-tier step: each rank its own files, in the layout that saved them;
+        ``held``: their bytes as the recovery read and checked them (by path), not read again."""
         state = self._training_state()
-        self._reader.check_extra(path / EXTRA_DIR, state, trusted=trusted)
-        self._reader.load_rank_state(path, state, trusted=trusted)
-        return self._load_extra(path / EXTRA_DIR, trusted=trusted)
+        self._reader.check_extra(path / EXTRA_DIR, state, trusted=trusted, held=held)
+        self._reader.load_rank_state(path, state, trusted=trusted, held=held)
+        return self._load_extra(path / EXTRA_DIR, trusted=trusted, held=held)
 
     def newest_step(self, checkpoint_path: str) -> int | None:
         """The step ``fit(ckpt_path=checkpoint_path)`` would load now from a directory of steps
@@ -820,9 +828,11 @@ class MegatronStrategy(ParallelStrategy):
     def _load_optimizers(self, directory: Path, *, trusted: bool = False) -> None:
         self._reader.load_optimizers(directory, self._training_state(), trusted=trusted)
 
-    def _load_extra(self, directory: Path, *, trusted: bool = False) -> dict[str, Any]:
+    def _load_extra(
+        self, directory: Path, *, trusted: bool = False, held: dict[Path, Any] | None = None
+    ) -> dict[str, Any]:
         lightning, rng = self._reader.load_extra(
-            directory, self._training_state(), seed=self.seed, trusted=trusted
+            directory, self._training_state(), seed=self.seed, trusted=trusted, held=held
         )
         if rng is not None:
             # Re-applied at the first resumed batch when it falls inside an epoch (see

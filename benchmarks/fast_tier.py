@@ -26,7 +26,13 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
    - **fast tier, peer copies**: node 0's directory wiped (a replaced node): its rank fetches
      its files from node 1;
    - **persistent tier**: both nodes' directories wiped: no fast step newer than the
-     persistent tier's last one; that step is loaded from the shared directory.
+     persistent tier's last one; that step is loaded from the shared directory;
+   - **persistent tier, shared dir throttled** (where the kernel lets it be set up: root, a
+     loop device, a block I/O controller): the same, the shared directory moved onto a file
+     system whose reads the kernel caps at :data:`THROTTLE_MIB_S` a node (:class:`ThrottledDir`).
+
+   Each fast-tier row is judged against each persistent stand-in (:func:`targets`): MET when
+   its recovery + load is at most :data:`RECOVERY_TARGET` x the stand-in's.
 
    The time runs from just before ``run_nodes`` (``time.monotonic()``: one clock for every
    process of the machine) to the first ``on_train_batch_start`` after the load; the phases on
@@ -43,6 +49,7 @@ always does): interpreter start and imports are not in the launch figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -71,6 +78,14 @@ PERSISTED = 20
 """The persistent tier's last step then."""
 
 ROWS = ("fast tier, own copies", "fast tier, peer copies", "persistent tier")
+THROTTLED = "persistent tier, shared dir throttled"
+"""The persistent tier read from a shared directory throttled to :data:`THROTTLE_MIB_S` a node
+(:class:`ThrottledDir`), when the kernel lets this process set it up."""
+THROTTLE_MIB_S = 100
+"""The throttled shared directory's read bandwidth per node, MiB/s (a node's share of a
+shared file system or of its network link: 100 MiB/s is a 1 Gbit/s link)."""
+RECOVERY_TARGET = 0.5
+"""The target: the fast tier's recovery + load at most this share of a persistent tier's."""
 PHASES = ("rank started", "model set up", "state loaded", "first step starts")
 
 # (fast, persistent) cadences of the steps-lost table.
@@ -202,7 +217,8 @@ RECOVERY_PARTS = (
     ("inventory", "lightning_mcore_ckpt.fast.recovery", "_inventory"),
     ("check the copies", "lightning_mcore_ckpt.fast.recovery", "_checked_sources"),
     ("fetch, in all", "lightning_mcore_ckpt.fast.recovery", "_fetch"),
-    ("read a copy to send", "lightning_mcore_ckpt.fast.recovery", "_read"),
+    ("read and check a copy (in memory)", "lightning_mcore_ckpt.fast.files", "read_checked"),
+    ("read and check a copy (streamed)", "lightning_mcore_ckpt.fast.files", "verify"),
     ("send and receive", "lightning_mcore_ckpt.fast.recovery", "exchange"),
     ("check and write a fetched copy", "lightning_mcore_ckpt.fast.peers", "Bundle.write"),
     ("load, in all", "lightning_mcore_ckpt.strategy.strategy", "MegatronStrategy.load_checkpoint"),
@@ -401,7 +417,9 @@ def prepare(scratch: Path, size: str, timeout: float) -> dict[str, Any]:
     }
 
 
-def recover_once(scratch: Path, row: str, size: str, timeout: float) -> dict[str, Any]:
+def recover_once(
+    scratch: Path, row: str, size: str, timeout: float, throttled: ThrottledDir | None = None
+) -> dict[str, Any]:
     """One launch of ``row`` from a fresh copy of the snapshot (see the module, item 2)."""
     from benchmarks import workloads
 
@@ -410,17 +428,29 @@ def recover_once(scratch: Path, row: str, size: str, timeout: float) -> dict[str
     _copy(scratch / "snapshot", run)
     if row != ROWS[0]:
         _wipe(run, 0)
-    if row == ROWS[2]:
+    if row in (ROWS[2], THROTTLED):
         _wipe(run, 1)
+    if row == THROTTLED:
+        assert throttled is not None
+        throttled.take(run / "shared")
+    os.sync()  # a dirty page is not dropped: the copy just written must reach the disk first
     workloads.drop_cache(run)
+    if throttled is not None:
+        workloads.drop_cache(throttled.mount)
+    throttled_before = throttled.read_bytes() if throttled is not None else 0
     workloads.drop_cache(scratch / "snapshot")
     ranks = _launch(run, {"mode": "resume", "size": size}, timeout)
     recoveries = [r for r in _records(run) if r.get("kind") == "recovery"]
     shutil.rmtree(run, ignore_errors=True)
+    through_throttle = None
+    if throttled is not None:
+        through_throttle = throttled.read_bytes() - throttled_before
+        throttled.clear()
     return {
         "phases": {p: max(r[p] for r in ranks) for p in PHASES},
         "resumed_step": ranks[0]["resumed_step"],
         "recovery": recoveries[-1] if recoveries else None,
+        "throttled_read_bytes": through_throttle,
         "parts": {
             label: max(r.get("recovery_parts", {}).get(label, 0.0) for r in ranks)
             for label, _, _ in RECOVERY_PARTS
@@ -428,25 +458,186 @@ def recover_once(scratch: Path, row: str, size: str, timeout: float) -> dict[str
     }
 
 
-def measure(scratch: Path, size: str, repeats: int, timeout: float) -> dict[str, Any]:
+def measure(
+    scratch: Path, size: str, repeats: int, timeout: float, throttled: ThrottledDir | None = None
+) -> dict[str, Any]:
     print(f"== fast tier, state {size}: the training run", flush=True)
     started = time.perf_counter()
     saves = prepare(scratch, size, timeout)
     print(f"   {time.perf_counter() - started:.0f} s", flush=True)
-    launches: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
+    rows = [*ROWS, THROTTLED] if throttled is not None else list(ROWS)
+    launches: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     for r in range(1, repeats + 1):
-        for row in ROWS if r % 2 else ROWS[::-1]:
-            got = recover_once(scratch, row, size, timeout)
+        for row in rows if r % 2 else rows[::-1]:
+            got = recover_once(scratch, row, size, timeout, throttled)
             launches[row].append(got)
             rec = got["recovery"] or {}
             print(
                 f"round {r}, {row}: first step at {got['phases']['first step starts']:.2f} s, "
                 f"step {got['resumed_step']} from the {rec.get('tier')} tier "
                 f"({rec.get('ranks_from_peers')} rank(s) from peers), recovery "
-                f"{rec.get('time_s', float('nan')):.2f} s",
+                f"{rec.get('time_s', float('nan')):.2f} s"
+                + (
+                    f", {got['throttled_read_bytes'] / MiB:.0f} MiB read through the throttle"
+                    if got.get("throttled_read_bytes") is not None
+                    else ""
+                ),
                 flush=True,
             )
-    return {"size": size, "saves": saves, "launches": launches}
+    return {
+        "size": size,
+        "saves": saves,
+        "launches": launches,
+        "throttle": throttled.describe() if throttled is not None else None,
+    }
+
+
+class ThrottledDir:
+    """A shared directory whose reads are throttled by the kernel: an ext4 file system on a
+    loop device (``losetup --direct-io=on``: no second page cache under it), its reads capped
+    at ``NODES x THROTTLE_MIB_S`` by the block I/O controller (cgroup v1
+    ``blkio.throttle.read_bps_device``, or v2 ``io.max``'s ``rbps``) of a cgroup this process
+    joins before the simulated nodes are forked, so that every rank is in it. The cap is on the
+    device: other disks, and the nodes' own directories, are not throttled. The simulated nodes
+    share the one cap, so a node gets ``THROTTLE_MIB_S`` while both read (the persistent row:
+    both ranks load at once).
+
+    :meth:`open` returns ``None`` and why where it cannot be set up (not root, no loop device,
+    no block I/O controller)."""
+
+    def __init__(self, image: Path, mount: Path, device: str, cgroup: Path, rate: int) -> None:
+        self.image, self.mount, self.device, self.cgroup, self.rate = (
+            image,
+            mount,
+            device,
+            cgroup,
+            rate,
+        )
+
+    @classmethod
+    def open(cls, scratch: Path, size_bytes: int) -> tuple[ThrottledDir | None, str]:
+        """Set it up under ``scratch`` for a state of ``size_bytes`` (the shared directory
+        holds several persistent steps of it)."""
+        import subprocess
+
+        rate = NODES * THROTTLE_MIB_S * MiB
+        image, mount = scratch / "throttled.img", scratch / "throttled"
+        v1 = Path("/sys/fs/cgroup/blkio")
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        if v1.is_dir():
+            cgroup = v1 / f"lmc-bench-{os.getpid()}"
+        elif v2.exists() and "io" in v2.read_text().split():
+            cgroup = Path("/sys/fs/cgroup") / f"lmc-bench-{os.getpid()}"
+        else:
+            return None, "no block I/O controller (cgroup v1 blkio or v2 io)"
+        device = ""
+        try:
+            with open(image, "wb") as f:  # sparse: blocks are taken as they are written
+                f.truncate(size_bytes * 8 + 1024 * MiB)
+            subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+            device = subprocess.run(
+                ["losetup", "--find", "--show", "--direct-io=on", str(image)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            mount.mkdir()
+            subprocess.run(["mount", device, str(mount)], check=True)
+            numbers = subprocess.run(
+                ["lsblk", "-dno", "MAJ:MIN", device], check=True, capture_output=True, text=True
+            ).stdout.strip()
+            cgroup.mkdir()
+            if cgroup.parent == v1:
+                (cgroup / "blkio.throttle.read_bps_device").write_text(f"{numbers} {rate}")
+            else:
+                (cgroup / "io.max").write_text(f"{numbers} rbps={rate}")
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        except (OSError, subprocess.CalledProcessError) as err:
+            made = cls(image, mount, device, cgroup, rate)
+            made.close()
+            return None, f"the throttled directory cannot be set up here: {err}"
+        return cls(image, mount, device, cgroup, rate), ""
+
+    def describe(self) -> str:
+        controller = "blkio.throttle.read_bps_device (cgroup v1)"
+        if self.cgroup.parent != Path("/sys/fs/cgroup/blkio"):
+            controller = "io.max rbps (cgroup v2)"
+        return (
+            f"ext4 on {self.device} (a loop device, direct I/O), reads capped at "
+            f"{self.rate // MiB} MiB/s by {controller}: {THROTTLE_MIB_S} MiB/s per node, "
+            f"{NODES} nodes"
+        )
+
+    def take(self, shared: Path) -> None:
+        """Move the run's shared directory onto the throttled file system (a link stays)."""
+        target = self.mount / "shared"
+        shutil.copytree(shared, target, symlinks=True)
+        shutil.rmtree(shared)
+        shared.symlink_to(target)
+
+    def read_bytes(self) -> int:
+        """Bytes read from the throttled device by the processes of the cgroup so far (the
+        check that the ranks' reads went through the cap)."""
+        major_minor = subprocess_output(["lsblk", "-dno", "MAJ:MIN", self.device])
+        if self.cgroup.parent == Path("/sys/fs/cgroup/blkio"):
+            for line in (self.cgroup / "blkio.throttle.io_service_bytes").read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == major_minor and parts[1] == "Read":
+                    return int(parts[2])
+            return 0
+        for line in (self.cgroup / "io.stat").read_text().splitlines():
+            if line.startswith(major_minor + " "):
+                fields = dict(f.split("=", 1) for f in line.split()[1:])
+                return int(fields.get("rbytes", 0))
+        return 0
+
+    def clear(self) -> None:
+        shutil.rmtree(self.mount / "shared", ignore_errors=True)
+
+    def close(self) -> None:
+        import subprocess
+
+        parent = self.cgroup.parent
+        if self.cgroup.is_dir():
+            try:  # every process still in it (this one, the nodes' fork server) to the parent
+                for pid in (self.cgroup / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        (parent / "cgroup.procs").write_text(pid)
+                self.cgroup.rmdir()
+            except OSError as err:
+                print(f"   {self.cgroup} is left behind: {err}", file=sys.stderr)
+        if self.mount.is_dir():
+            subprocess.run(["umount", str(self.mount)], check=False)
+        if self.device:
+            subprocess.run(["losetup", "-d", self.device], check=False)
+        self.image.unlink(missing_ok=True)
+
+
+def subprocess_output(command: list[str]) -> str:
+    import subprocess
+
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def judge(fast_s: float | None, persistent_s: float | None, limit: float = RECOVERY_TARGET) -> str:
+    """``MET`` when the fast tier's time is at most ``limit`` x the persistent tier's; ``MISSED``
+    otherwise; ``—`` without both figures."""
+    if fast_s is None or not persistent_s:
+        return "—"
+    return "MET" if fast_s <= limit * persistent_s else "MISSED"
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, float, float, str]]:
+    """Each fast-tier row against each persistent stand-in measured: (fast row, persistent
+    row, fast recovery + load s, persistent s, verdict), judged on recovery + load (from the
+    model set up to the state loaded: what the tier changes)."""
+    fast_rows = [r for r in rows if r.startswith("fast tier")]
+    stand_ins = [r for r in rows if r.startswith("persistent tier")]
+    return [
+        (f, p, rows[f]["load_s"], rows[p]["load_s"], judge(rows[f]["load_s"], rows[p]["load_s"]))
+        for p in stand_ins
+        for f in fast_rows
+    ]
 
 
 # --- the figures ------------------------------------------------------------------------------
@@ -564,7 +755,7 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base_load = rows[ROWS[2]]["load_s"]
-    for row in ROWS:
+    for row in rows:
         got = rows[row]
         ratio = "—" if row == ROWS[2] else f"{base / got['first_step_s']:.2f}"
         load_ratio = "—" if row == ROWS[2] else f"{base_load / got['load_s']:.2f}"
@@ -596,7 +787,28 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
             f"| {row} | "
             + " | ".join(_f(rows[row]["parts"].get(label)) for label, _, _ in RECOVERY_PARTS)
             + " |"
-            for row in ROWS
+            for row in rows
+        ),
+        "",
+        "#### The fast tier against each persistent stand-in",
+        "",
+        f"Target: the fast tier's recovery + load at most {RECOVERY_TARGET} x the persistent "
+        "tier's (medians of the launches above).",
+        "",
+        "| fast tier | persistent stand-in | fast, s | persistent, s | fast / persistent | "
+        "verdict |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {f} | {p} | {fs:.2f} | {ps:.2f} | {fs / ps:.2f} | {verdict} |"
+            for f, p, fs, ps, verdict in targets(rows)
+        ),
+        "",
+        "Stand-ins: `persistent tier`: the shared directory on the same local disk as the "
+        "nodes' own. "
+        + (
+            f"`{THROTTLED}`: {result['throttle']}."
+            if result.get("throttle")
+            else f"`{THROTTLED}`: not measured ({result.get('throttle_why') or 'not asked'})."
         ),
         "",
         "#### Blocking per save (the same run, side by side)",
@@ -681,9 +893,16 @@ def run(args: argparse.Namespace) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     started = time.perf_counter()
+    state_bytes = {"quick": 64 * MiB, "256M": 256 * MiB, "1G": 1024 * MiB}[size]
+    throttled, why = ThrottledDir.open(scratch, state_bytes)
+    if throttled is None:
+        print(f"   {THROTTLED}: not measured: {why}", flush=True)
     try:
-        result = measure(scratch, size, repeats, timeout=600 if args.quick else 3600)
+        result = measure(scratch, size, repeats, 600 if args.quick else 3600, throttled)
+        result["throttle_why"] = why or None
     finally:
+        if throttled is not None:
+            throttled.close()
         shutil.rmtree(scratch, ignore_errors=True)
     machine = machine_line(
         f"Python {platform.python_version()}; every node's directory and the shared one on "

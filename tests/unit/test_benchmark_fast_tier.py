@@ -127,3 +127,48 @@ def test_a_state_too_large_for_the_machine_is_refused_naming_the_argument(
     assert fast_tier.run(args) == 2
     assert "--sizes 4G: pass one state, 256M or 1G (or --quick)" in capsys.readouterr().err
     assert not (tmp_path / "fast-tier").exists()
+
+
+@pytest.mark.parametrize(
+    ("fast", "persistent", "verdict"),
+    [
+        (1.0, 2.0, "MET"),
+        (0.2, 2.0, "MET"),
+        (1.01, 2.0, "MISSED"),
+        (3.0, 2.0, "MISSED"),
+        (None, 2.0, "—"),
+        (1.0, None, "—"),
+        (1.0, 0.0, "—"),
+    ],
+)
+def test_the_fast_tier_meets_its_target_at_half_the_persistent_tiers_time_or_less(
+    fast: float | None, persistent: float | None, verdict: str
+) -> None:
+    assert fast_tier.judge(fast, persistent) == verdict
+
+
+def test_each_fast_row_is_judged_against_each_persistent_stand_in() -> None:
+    result = _result()
+    # The throttled shared directory: recovery + load 10 s (from 2 s set up to 12 s loaded).
+    result["launches"][fast_tier.THROTTLED] = [_launch(14.0, 2.0, 12.0, "persistent", 0)] * 3
+    result["throttle"] = "ext4 on /dev/loop0, reads capped"
+    summary = fast_tier.summarise(result)
+    got = {(f, p): (fs, ps, v) for f, p, fs, ps, v in fast_tier.targets(summary["rows"])}
+    own, peer, local = fast_tier.ROWS
+    # Own copies 1 s, a peer's 5 s; the persistent tier 4 s on the local disk, 10 s throttled.
+    assert got == {
+        (own, local): (1.0, 4.0, "MET"),
+        (peer, local): (5.0, 4.0, "MISSED"),
+        (own, fast_tier.THROTTLED): (1.0, 10.0, "MET"),
+        (peer, fast_tier.THROTTLED): (5.0, 10.0, "MET"),
+    }
+    table = fast_tier.report(result, summary, "machine", "command")
+    assert f"| {peer} | {fast_tier.THROTTLED} | 5.00 | 10.00 | 0.50 | MET |" in table
+    assert f"| {peer} | {local} | 5.00 | 4.00 | 1.25 | MISSED |" in table
+    assert f"`{fast_tier.THROTTLED}`: ext4 on /dev/loop0, reads capped." in table
+
+
+def test_a_stand_in_not_measured_says_why() -> None:
+    result = {**_result(), "throttle": None, "throttle_why": "no block I/O controller"}
+    table = fast_tier.report(result, fast_tier.summarise(result), "machine", "command")
+    assert f"`{fast_tier.THROTTLED}`: not measured (no block I/O controller)." in table

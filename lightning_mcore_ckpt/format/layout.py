@@ -30,7 +30,7 @@ from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.markers import METADATA_FILE, read_metadata
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
-from lightning_mcore_ckpt.safety.names import UnsafeNameError, in_step, inside
+from lightning_mcore_ckpt.safety.names import UnsafeNameError, in_step
 from lightning_mcore_ckpt.storage import atomic as _atomic
 from lightning_mcore_ckpt.storage import remote_files
 
@@ -208,10 +208,17 @@ def _verify_dist_checkpoint(directory: Path) -> list[str]:
     if not (directory / "metadata.json").is_file():  # Megatron-Core's: how to read the rest
         problems.append(f"{directory / 'metadata.json'} is missing")
     for name, size in sorted(needed.items()):
-        try:  # a name from the index: a path only inside its directory
-            shard = inside(directory, name, f"{index}'s shard list")
-        except UnsafeNameError as err:
-            problems.append(str(err))
+        # A name from the index: a path only inside the step, or a file of the run's shared/
+        # store that a deduplicated step references (``../../shared/<name>`` from here).
+        shared = f"../../{SHARED_DIR}/"
+        within = name[3:] if name.startswith(shared) else f"{directory.name}/{name}"
+        try:
+            shard = in_step(directory.parent, within, f"{index}'s shard list", SHARED_DIR)
+        except UnsafeNameError:
+            problems.append(
+                f"{index}'s shard list names the file {name!r}, which leads outside the step "
+                f"and its run's {SHARED_DIR}/ store: refused (someone may have altered it)"
+            )
             continue
         if (found := remote_files.size_of(shard)) is None:  # local, or a view's file in a store
             problems.append(f"{shard} is missing")

@@ -67,6 +67,7 @@ def main(plan_file: str) -> None:
             None,
             1,
             400.0,
+            None,  # no log file: Lightning's banners go where they always went
         )
         if failure is not None:
             raise failure

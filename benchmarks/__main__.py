@@ -422,22 +422,9 @@ def _scale(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.saves < 3:
         parser.error(f"--scale --saves {args.saves}: pass 3 or more (steady saves are measured)")
     sys.path.insert(0, str(HERE.parent))
-    now = datetime.datetime.now(datetime.timezone.utc)
-    host = socket.gethostname()
     size = "quick" if args.quick else args.sizes
-    stem = f"{now.date()}-{host}-scale-{size}-{args.shard}"
-    taken = 1
-    while (Path(args.out) / f"{stem}.json").exists():  # an earlier run's results stay
-        taken += 1
-        stem = f"{now.date()}-{host}-scale-{size}-{args.shard}-{taken}"
-    machine = {
-        "host": host,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "checkpoint_dir": str(Path(args.dir).resolve()),
-        **_versions(),
-    }
+    stem = _free_stem(args.out, f"scale-{size}-{args.shard}")
+    machine = {**_machine(), "checkpoint_dir": str(Path(args.dir).resolve())}
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -446,6 +433,53 @@ def _scale(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # counts measured so far are already written.
     signal.signal(signal.SIGTERM, stop)
     return scale.run(args, machine, stem)
+
+
+def _scale_sim(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--scale-sim``: checks its arguments, then ``benchmarks.scale_sim.run``."""
+    from benchmarks import scale_sim
+
+    args.procs = args.procs if args.procs is not None else "64,256,1024"
+    try:
+        worlds = [int(p) for p in args.procs.split(",") if p]
+    except ValueError:
+        parser.error(f"--scale-sim --procs {args.procs}: pass rank counts, e.g. 64,256,1024")
+    if any(w < 32 or w % 32 for w in worlds):
+        parser.error(
+            f"--scale-sim --procs {args.procs}: pass multiples of 32 (TP 8 x PP 4 x DP), "
+            "e.g. 64,256,1024"
+        )
+    if args.check:
+        try:
+            world, tp, pp = (int(x) for x in args.check.split(","))
+        except ValueError:
+            parser.error(f"--check {args.check}: pass RANKS,TP,PP, e.g. 8,2,2")
+        if world % (tp * pp) or world > 8:
+            parser.error(f"--check {args.check}: at most 8 ranks, a multiple of TP x PP")
+    sys.path.insert(0, str(HERE.parent))
+    return scale_sim.run(args, _machine(), _free_stem(args.out, "scale-sim"))
+
+
+def _free_stem(out: str, kind: str) -> str:
+    """``<date>-<host>-<kind>``, numbered past the results an earlier run left in ``out``."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stem = f"{now.date()}-{socket.gethostname()}-{kind}"
+    taken = 1
+    while (Path(out) / f"{stem}.json").exists():  # an earlier run's results stay
+        taken += 1
+        stem = f"{now.date()}-{socket.gethostname()}-{kind}-{taken}"
+    return stem
+
+
+def _machine() -> dict[str, object]:
+    """The machine and versions a result file records."""
+    return {
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **_versions(),
+    }
 
 
 def _cuda_problem(procs: list[int]) -> str | None:
@@ -488,6 +522,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the same total state (one of --sizes, default 256M) saved and loaded at each of "
         "--procs ranks, CPU: save, blocking, load, planning and coordination per save, with and "
         "without cached plans, files and metadata per step (benchmarks/scale.py)",
+    )
+    parser.add_argument(
+        "--scale-sim",
+        action="store_true",
+        help="a save's collectives, planning and metadata at --procs simulated ranks (default "
+        "64,256,1024; torch's fake process group, every rank's collectives recorded and "
+        "replayed on rank 0 and the last rank; benchmarks/scale_sim.py)",
+    )
+    parser.add_argument(
+        "--check",
+        default="8,2,2",
+        help="--scale-sim: first a real gloo run of RANKS,TP,PP against its simulation "
+        "(default 8,2,2; empty: none)",
     )
     parser.add_argument(
         "--shard",
@@ -560,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats {args.repeats}: pass 1 or more")
     if args.scale:
         return _scale(parser, args)
+    if args.scale_sim:
+        return _scale_sim(parser, args)
     if args.only_fast_tier:
         from benchmarks import fast_tier
 

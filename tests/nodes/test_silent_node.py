@@ -149,8 +149,8 @@ def test_a_silent_node_ends_every_other_rank_within_the_timeout_and_costs_nothin
 SERVICE_STEP = 4
 """The step whose upload (S3) or copy (fast tier) the silent node stops in."""
 SERVICE_BOUND_S = {
-    # Rank 0's commit waits one timeout for the confirmations, and its training thread, which
-    # learns of the commit's failure at the next step, may have waited one in a collective.
+    # Rank 0's commit waits one timeout for the confirmations; sharing that failure with the
+    # other ranks then waits for the silent node once more.
     "s3-confirmations": 2 * GROUP_TIMEOUT_S + ROLL_CALL_S + STORE_S + 25.0,
     "fast-tier-copy": BOUND_S,
 }

@@ -9,6 +9,9 @@ creates: ``torchrun``'s, Lightning's), and a rank whose error is a peer's silenc
 :data:`ROLL_CALL_S` for the others' answers, then adds a note to its error naming the nodes (with
 their host names, recorded at setup) none of whose ranks answered. When the store itself does not
 answer (it lives on global rank 0's node), the note says so: then that node is the silent one.
+Global rank 0, whose process serves the store, returns only once every rank that answered has
+finished reading it (bounded): its exit would otherwise close the store under the others' feet
+and read to them as a silent node 0.
 
 No collective: a store key per node written at setup, an answer and a count per rank at the
 failure, each call bounded (a daemon thread joined with a timeout: a TCPStore client's calls
@@ -91,7 +94,8 @@ def answer(
     )
     worker = threading.Thread(target=lambda: found.append(call()), name="roll-call", daemon=True)
     worker.start()
-    worker.join((wait_s if wait else 0.0) + STORE_S)
+    # Global rank 0 may also wait for the others to finish (its process serves the store).
+    worker.join((wait_s if wait else 0.0) + STORE_S + (wait_s + STORE_S if rank == 0 else 0.0))
     if not found:
         return _store_silent(f"no reply within {wait_s + STORE_S:.0f} s") if wait else None
     return found[0]
@@ -108,22 +112,28 @@ def _answer(
 ) -> str | None:
     key = f"{_PREFIX}/{generation}"
     nodes = world_size // ranks_per_node
+    finding: str | None = None
     try:
         store.add(f"{key}/node/{rank // ranks_per_node}", 1)
         answered = store.add(f"{key}/count", 1)
-        if not wait:
-            return None
-        deadline = time.monotonic() + wait_s
-        while answered < world_size and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-            answered = store.add(f"{key}/count", 0)
-        if answered >= world_size:
-            return None
-        quiet = [n for n in range(nodes) if not store.check([f"{key}/node/{n}"])]
-        hosts = [_host(store, n) for n in quiet]
+        if wait:
+            deadline = time.monotonic() + wait_s
+            while answered < world_size and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                answered = store.add(f"{key}/count", 0)
+            if answered < world_size:
+                quiet = [n for n in range(nodes) if not store.check([f"{key}/node/{n}"])]
+                hosts = [_host(store, n) for n in quiet]
+                finding = _silent_nodes(quiet, hosts, answered, world_size, wait_s)
+        done = store.add(f"{key}/done", 1)
+        if rank == 0:  # the store lives in this process: it stays until the others are done
+            deadline = time.monotonic() + wait_s + STORE_S
+            while done < store.add(f"{key}/count", 0) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                done = store.add(f"{key}/done", 0)
     except Exception as err:  # noqa: BLE001 - the store's own failure is the finding
         return _store_silent(f"{type(err).__name__}: {err}") if wait else None
-    return _silent_nodes(quiet, hosts, answered, world_size, wait_s)
+    return finding
 
 
 def _host(store: Any, node: int) -> str:

@@ -167,3 +167,35 @@ def test_which_errors_are_a_peers_silence(error: BaseException, silence: bool) -
             raise RuntimeError("the save failed") from inner
     except RuntimeError as outer:
         assert roll_call.is_peer_silence(outer) is silence  # found through the cause
+
+
+def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are_done(
+    store: TCPStore,
+) -> None:
+    """Rank 0 answers first and would exit, closing the store, while rank 1 (its error a moment
+    later) still reads it: rank 1 would then blame node 0. Rank 0 waits for it to finish."""
+    roll_call.register_host(_client(store), 1)
+    ended: dict[int, float] = {}
+
+    def one(rank: int, delay: float) -> None:
+        time.sleep(delay)
+        roll_call.answer(
+            _client(store),
+            generation=1,
+            rank=rank,
+            world_size=WORLD,
+            ranks_per_node=PER_NODE,
+            wait=True,
+            wait_s=WAIT_S,
+        )
+        ended[rank] = time.monotonic()
+
+    threads = [
+        threading.Thread(target=one, args=(0, 0.0)),
+        threading.Thread(target=one, args=(1, 1.0)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert ended[0] >= ended[1], ended  # node 1 (ranks 2, 3) silent: both waited, rank 0 last

@@ -368,10 +368,7 @@ def check_resume(
         report = check_resume(build, stop_at=5, max_steps=10, world_size=2)
         assert report.exact, str(report)
     """
-    hows = (how,) if isinstance(how, str) else tuple(how)
-    bad = [h for h in hows if h not in ALL_HOWS]
-    if bad or not hows:
-        raise ValueError(f"check_resume(how={how!r}): choose from {ALL_HOWS}")
+    hows = _checked_hows(how)
     source, world_size, max_steps, nodes = _job_source(build, world_size, max_steps, nodes)
     _check_steps(stop_at, max_steps, world_size)
     _check_nodes(nodes, world_size, hows, source)
@@ -383,17 +380,32 @@ def check_resume(
     log = None if log_file is None else str(Path(log_file).absolute())
     runs = _Runs(source, report, timeout, needs_fast_tier="wipe-node" in hows, log_file=log)
     try:
-        ref = runs.launch(root / "reference" / "run", None, None, "the uninterrupted run")
-        if check_determinism:
-            report.nondeterminism = _differs_from_itself(runs, root, ref)
-            if report.nondeterminism is not None:
-                return report
-        for way in hows:
-            report.results.append(_interrupt_and_resume(runs, root / way, way, ref))
-        return report
+        return _judge(runs, root, hows, check_determinism)
     finally:
         if owned:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _checked_hows(how: str | Sequence[str]) -> tuple[str, ...]:
+    hows = (how,) if isinstance(how, str) else tuple(how)
+    bad = [h for h in hows if h not in ALL_HOWS]
+    if bad or not hows:
+        raise ValueError(f"check_resume(how={how!r}): choose from {ALL_HOWS}")
+    return hows
+
+
+def _judge(runs: _Runs, root: Path, hows: tuple[str, ...], check_determinism: bool) -> ResumeReport:
+    """The uninterrupted run (twice with ``check_determinism``), then each interruption and its
+    resume, judged against it: the report (``runs.report``), filled in."""
+    report = runs.report
+    ref = runs.launch(root / "reference" / "run", None, None, "the uninterrupted run")
+    if check_determinism:
+        report.nondeterminism = _differs_from_itself(runs, root, ref)
+        if report.nondeterminism is not None:
+            return report
+    for way in hows:
+        report.results.append(_interrupt_and_resume(runs, root / way, way, ref))
+    return report
 
 
 def _differs_from_itself(runs: _Runs, root: Path, ref: Any) -> Any:

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -211,17 +210,6 @@ def _service_job(
     )
     trainer.fit(TinyGPTModule(), train_dataloaders=loader(256), ckpt_path=None)
     return {"end": trainer.global_step}
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from _s3_required import import_or_skip
-    from _s3server import S3Server
-
-    import_or_skip("boto3")
-    import_or_skip("moto")
-    with S3Server(tmp_path_factory.mktemp("s3server")) as server:
-        yield server
 
 
 @pytest.mark.parametrize("where", ["s3-confirmations", "fast-tier-copy"])

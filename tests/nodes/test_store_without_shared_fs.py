@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _s3_required import import_or_skip
 from _s3server import S3Server
 
 from lightning_mcore_ckpt.testing import node_storage, run_nodes
@@ -30,14 +29,6 @@ pytestmark = pytest.mark.timeout(600)
 
 NODES, EVERY, TOTAL = 2, 2, 6
 LOCAL = "ckpt"  # local_dir, under each node's own directory
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    import_or_skip("boto3")
-    import_or_skip("moto")
-    with S3Server(tmp_path_factory.mktemp("s3server")) as server:
-        yield server
 
 
 @pytest.fixture

@@ -76,3 +76,5 @@ def test_the_readme_test_command_is_the_one_ci_runs_on_python_3_12() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "\nbash scripts/test.sh " in readme
     assert "LMC_REQUIRE_OTHER=1 LMC_NODES_EXTENDED=1 bash scripts/test.sh" in _ci_lines()
+    # CI's last command, word for word, is in the README too.
+    assert _ci_lines()[-1] in readme, _ci_lines()[-1]

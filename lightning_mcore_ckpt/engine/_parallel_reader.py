@@ -3,10 +3,11 @@
 Megatron-Core's ``torch_dist`` load reads through torch DCP's ``FileSystemReader``: one file
 after the other, each record deserialised before the next is read, so the disk waits for the
 CPU and the CPU for the disk. :class:`ParallelFileSystemReader` reads the files a rank needs
-with a thread pool (each file sequentially, in offset order). A record whose bytes lie in the
-file as they will in memory (the usual case) is read straight into the tensor it is loaded
-into: no temporary tensor, no copy. Its layout comes from torch.load onto the meta device,
-which parses the record without reading its data. A record loaded into a device tensor (a
+with a thread pool (each file sequentially, in offset order; each record forward, head, data,
+tail: :mod:`._record_order`). A record whose bytes lie in the file as they will in memory (the
+usual case) is read straight into the tensor it is loaded into: no temporary tensor, no copy.
+Its layout comes from torch.load onto the meta device, which parses the record without
+reading its data. A record loaded into a device tensor (a
 run on GPUs) is read in chunks into two pinned host buffers of its thread, each chunk copied to
 the device while the next is read: no pageable copy of the record, and no second copy on the
 device. Any other record goes through torch.load and a copy. The planner (where each tensor
@@ -29,6 +30,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 
+from lightning_mcore_ckpt.engine import _record_order
 from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["ParallelFileSystemReader", "load_strategy", "views_readable"]
@@ -43,7 +45,6 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
         self.threads = threads
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
 
         infos = self.storage_data
@@ -58,9 +59,9 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
             items.sort(key=lambda item: infos[item.storage_index].offset)
             path = self.fs.concat_path(self.path, relative_path)
             # A view of a step in an object store reads its shard files by range.
-            remote = remote_files.remote_size(path) is not None
+            local = remote_files.remote_size(path) is None
             with remote_files.open_read(path) as stream:
-                if hasattr(os, "posix_fadvise") and not remote:
+                if hasattr(os, "posix_fadvise") and local:
                     os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for item in items:
                     info = infos[item.storage_index]
@@ -72,23 +73,7 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
                         continue
                     with lock:
                         target = planner.resolve_tensor(item).detach()
-                    # The record's layout first (torch.load onto the meta device reads no
-                    # data); its bytes then go straight into the tensor they are loaded into.
-                    layout = torch.load(
-                        self._slice_file(stream, info), map_location="meta", weights_only=True
-                    )
-                    layout = narrow_tensor_by_index(layout, item.storage_offsets, item.lengths)
-                    if target.size() != layout.size():
-                        raise AssertionError(
-                            f"req {item.storage_index} mismatch sizes "
-                            f"{target.size()} vs {layout.size()}"
-                        )
-                    if not _read_into(stream, info.offset, layout, target):
-                        view = self._slice_file(stream, info)
-                        tensor = torch.load(view, map_location="cpu", weights_only=True)
-                        target.copy_(
-                            narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-                        )
+                    self._read_tensor(stream, info, item, target, planner if local else None)
                     with lock:
                         planner.commit_tensor(item, target)
 
@@ -99,34 +84,79 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
         done.set_result(None)
         return done
 
+    def _read_tensor(
+        self, stream: Any, info: Any, item: Any, target: torch.Tensor, planner: Any | None
+    ) -> None:
+        """``item``'s bytes into ``target``. From a local file (``planner`` given) the record is
+        read forward (:mod:`._record_order`): its data straight into ``target`` from where its
+        head says they start, when it is saved whole and lies as ``target`` does, then its
+        tail; the layout parsed from the record (torch.load onto the meta device) decides, and
+        data read from elsewhere are read again from its place. Any other record goes through
+        torch.load and a copy."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
 
-def _read_into(stream: Any, record_offset: int, layout: torch.Tensor, target: torch.Tensor) -> bool:
-    """Read a record's bytes into ``target`` when they lie there as they will in memory.
+        record = _record_order.Record(stream, info.offset, info.length) if planner else None
+        guessed = None
+        if record is not None and _direct(target) and _record_order.whole_chunk(planner, item):
+            start = record.data_start()
+            if start is not None and start + _nbytes(target) <= info.length:
+                guessed = info.offset + start
+                _read_at(stream, guessed, target)
+        view = record.view() if record is not None else self._slice_file(stream, info)
+        layout = torch.load(view, map_location="meta", weights_only=True)
+        layout = narrow_tensor_by_index(layout, item.storage_offsets, item.lengths)
+        if target.size() != layout.size():
+            raise AssertionError(
+                f"req {item.storage_index} mismatch sizes {target.size()} vs {layout.size()}"
+            )
+        position = _place(info.offset, layout, target)
+        if position is None:
+            tensor = torch.load(
+                self._slice_file(stream, info), map_location="cpu", weights_only=True
+            )
+            target.copy_(narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths))
+        elif position != guessed:
+            _read_at(stream, position, target)
+
+
+def _direct(target: torch.Tensor) -> bool:
+    """Whether ``target`` can be read into straight from a file: a contiguous host or device
+    tensor with bytes to read, on a little-endian host (the files' byte order)."""
+    return (
+        sys.byteorder == "little"
+        and target.device.type in ("cpu", "cuda")
+        and target.is_contiguous()
+        and target.numel() > 0
+    )
+
+
+def _nbytes(target: torch.Tensor) -> int:
+    return target.numel() * target.element_size()
+
+
+def _place(record_offset: int, layout: torch.Tensor, target: torch.Tensor) -> int | None:
+    """Where ``target``'s bytes start in the file when they lie there as they will in memory.
 
     ``layout`` is the record's tensor on the meta device (where its storage starts in the
-    record, its offset, strides and dtype). A host ``target`` is read into directly; a device
-    one through pinned host buffers (:class:`DeviceBounce`). ``False``, having read nothing, for
-    any other case (a strided or differently typed tensor): torch.load and a copy do those.
+    record, its offset, strides and dtype). ``None`` for any other case (a strided or
+    differently typed tensor): torch.load and a copy do those.
     """
     start = getattr(layout.untyped_storage(), "_checkpoint_offset", None)
-    if (
-        start is None
-        or sys.byteorder != "little"
-        or target.device.type not in ("cpu", "cuda")
-        or layout.dtype != target.dtype
-        or not layout.is_contiguous()
-        or not target.is_contiguous()
-        or target.numel() == 0
-    ):
-        return False
-    size = layout.element_size()
-    position = record_offset + start + layout.storage_offset() * size
+    if start is None or not _direct(target) or layout.dtype != target.dtype:
+        return None
+    if not layout.is_contiguous():
+        return None
+    return record_offset + start + layout.storage_offset() * layout.element_size()
+
+
+def _read_at(stream: Any, position: int, target: torch.Tensor) -> None:
+    """``target``'s bytes from ``position`` of ``stream``: a host tensor read into directly, a
+    device one through pinned host buffers (:class:`DeviceBounce`)."""
     flat = target.reshape(-1).view(torch.uint8)
     if target.device.type == "cpu":
         _read_exactly(stream, position, flat.numpy().data)
     else:
         DeviceBounce.for_this_thread(target.device).read(stream, position, flat)
-    return True
 
 
 def _read_exactly(stream: Any, position: int, buffer: memoryview) -> None:

@@ -8,6 +8,8 @@ torch.load and a copy, with the same result.
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +47,14 @@ def test_every_record_loads_exactly(
 ) -> None:
     saved = _saved()
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=2))
-    direct: list[tuple[bool, int]] = []
-    read_into = _parallel_reader._read_into
+    direct: list[int] = []
+    read_at = _parallel_reader._read_at
 
-    def counted(stream: Any, offset: int, layout: torch.Tensor, target: torch.Tensor) -> bool:
-        took = read_into(stream, offset, layout, target)
-        direct.append((took, target.data_ptr()))
-        return took
+    def counted(stream: Any, position: int, target: torch.Tensor) -> None:
+        read_at(stream, position, target)
+        direct.append(target.data_ptr())
 
-    monkeypatch.setattr(_parallel_reader, "_read_into", counted)
+    monkeypatch.setattr(_parallel_reader, "_read_at", counted)
     loaded = _targets(strided)
     dcp.load(loaded, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, threads))
     for key, value in saved.items():
@@ -61,17 +62,100 @@ def test_every_record_loads_exactly(
             assert loaded[key].dtype == value.dtype
             assert torch.equal(loaded[key], value), key
     assert loaded["extra"] == saved["extra"]
-    # Contiguous records into contiguous tensors are read straight into them; the transposed
-    # record and a strided target go through torch.load. The empty tensor has nothing to read.
+    # Contiguous records into contiguous tensors are read straight into them, each once (the
+    # place its head gave is the place its layout confirms); the transposed record and a
+    # strided target go through torch.load. The empty tensor has nothing to read.
     names = {t.data_ptr(): k for k, t in loaded.items() if isinstance(t, torch.Tensor)}
-    read = {names[ptr]: took for took, ptr in direct}
-    assert read == {
-        "fp32": not strided,
-        "bf16": True,
-        "int64": True,
-        "scalar": True,
-        "transposed": False,
-    }
+    read = sorted(names[ptr] for ptr in direct)
+    assert read == sorted(["bf16", "int64", "scalar", *([] if strided else ["fp32"])])
+
+
+class _Recording(io.FileIO):
+    """A shard file that records where each read of it starts, whichever way it is read."""
+
+    starts: list[int]
+
+    def readinto(self, buffer: Any) -> int:
+        self.starts.append(self.tell())
+        return super().readinto(buffer)
+
+
+def _record_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """Every read of a shard file by the reader, in order: through its stream (what torch.load
+    reads) and by position (``os.pread``, ``os.preadv``)."""
+    from lightning_mcore_ckpt.storage import remote_files
+
+    starts: dict[str, list[int]] = {}
+    names: dict[int, str] = {}
+
+    def open_read(path: Any) -> Any:
+        raw = _Recording(str(path), "rb")
+        raw.starts = starts.setdefault(Path(path).name, [])
+        names[raw.fileno()] = Path(path).name
+        return io.BufferedReader(raw)
+
+    pread, preadv = os.pread, os.preadv
+
+    def positioned(fd: int, *args: Any) -> Any:
+        if fd in names:
+            starts[names[fd]].append(args[-1])
+        return (pread if isinstance(args[0], int) else preadv)(fd, *args)
+
+    monkeypatch.setattr(remote_files, "open_read", open_read)
+    monkeypatch.setattr(os, "pread", positioned)
+    monkeypatch.setattr(os, "preadv", positioned)
+    return starts
+
+
+def test_records_are_read_forward_each_byte_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Records larger than a head and a tail, in one file: each is read head, data, tail, and
+    # the file front to back (torch.load alone starts each record at its end, then jumps back).
+    g = torch.Generator().manual_seed(1)
+    saved = {f"w{i}": torch.randn(100 + i, 64, generator=g) for i in range(4)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=1))
+    starts = _record_reads(monkeypatch)
+    read_at = _parallel_reader._read_at
+    direct: list[int] = []
+
+    def counted(stream: Any, position: int, target: torch.Tensor) -> None:
+        direct.append(target.data_ptr())
+        read_at(stream, position, target)
+
+    monkeypatch.setattr(_parallel_reader, "_read_at", counted)
+    loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(loaded, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, 1))
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    (positions,) = [v for k, v in starts.items() if k.endswith(".distcp")]
+    assert positions == sorted(positions), positions
+    assert len(positions) == 3 * len(saved)  # head, data, tail: nothing read twice
+    assert sorted(direct) == sorted(t.data_ptr() for t in loaded.values())
+
+
+def test_a_place_the_layout_does_not_confirm_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A head pointing elsewhere than the record's layout (a record written otherwise): the
+    # layout decides, and the tensor is read again from its place.
+    from lightning_mcore_ckpt.engine import _record_order
+
+    g = torch.Generator().manual_seed(2)
+    saved = {"w": torch.randn(100, 64, generator=g), "v": torch.randn(3000, generator=g)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=1))
+    monkeypatch.setattr(_record_order.Record, "data_start", lambda self: 64)
+    reads: list[int] = []
+    read_at = _parallel_reader._read_at
+
+    def counted(stream: Any, position: int, target: torch.Tensor) -> None:
+        reads.append(position)
+        read_at(stream, position, target)
+
+    monkeypatch.setattr(_parallel_reader, "_read_at", counted)
+    loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(loaded, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, 2))
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    assert len(reads) == 4  # each record: the wrong place, then its own
 
 
 def test_a_slice_of_a_saved_chunk_is_read_from_its_place(tmp_path: Path) -> None:

@@ -592,6 +592,14 @@ def main(argv: list[str] | None = None) -> int:
         "(one of --sizes, default 1G; benchmarks/fast_tier.py)",
     )
     parser.add_argument(
+        "--only-loads",
+        action="store_true",
+        help="only cold loads side by side (ours, torch.load, plain DCP, raw dist_checkpointing "
+        "and the files' cold reads) in 2 x --repeats rounds that alternate the methods' order, "
+        "our load's phases timed apart (--sizes, default 1G; --procs, default 1,2; "
+        "benchmarks/load_rounds.py)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -609,6 +617,10 @@ def main(argv: list[str] | None = None) -> int:
         return _scale(parser, args)
     if args.scale_sim:
         return _scale_sim(parser, args)
+    if args.only_loads:
+        from benchmarks import load_rounds
+
+        return load_rounds.run(args)
     if args.only_fast_tier:
         from benchmarks import fast_tier
 

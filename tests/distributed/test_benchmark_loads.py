@@ -1,0 +1,46 @@
+"""The cold-load rounds (``python -m benchmarks --only-loads``) run end to end on a tiny state:
+every method in every round, our load's phases timed from the library's own functions, and
+the tables with their targets written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import load_rounds  # noqa: E402 - the repository's benchmarks, not a package
+
+
+def test_every_method_loads_in_every_round_with_our_phases(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "benchmarks", "--only-loads", "--quick"]
+    command += ["--out", str(out), "--dir", str(tmp_path / "scratch")]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (found,) = out.glob("*-loads.json")
+    (run,) = json.loads(found.read_text())["runs"]
+    result = run["result"]
+    assert set(result["seconds"]) == set(load_rounds.METHODS)
+    assert all(len(v) == result["rounds"] == 2 for v in result["seconds"].values())
+    # Our load was timed through the library's functions, each round: the weights' and the
+    # optimizer's loads, the shard reads inside them.
+    assert len(result["phases"]) == 2
+    for phases in result["phases"]:
+        for name in ("weights, in all", "optimizer, in all", "shard reads (in both)"):
+            assert phases[name] > 0, (name, phases)
+    # Our files were read whole: every byte of them.
+    assert result["bytes"]["read: our files"] == result["bytes"]["ours"] > 0
+    table = found.with_suffix(".md").read_text()
+    for target in ("cold load >= torch.load", "cold load >= 0.8 x parallel read limit"):
+        assert target in table
+    assert not (tmp_path / "scratch" / "loads").exists()

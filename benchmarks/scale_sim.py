@@ -9,13 +9,14 @@ it. The fake group alone hands every rank its own payload back ("every rank is m
 would give rank 0 the wrong global plan and metadata. So the collectives that carry data
 (object gathers and broadcasts; tensor all-reduces, broadcasts and all-gathers) are **recorded
 and replayed**: each rank in turn runs its saves, and what it sends is kept by call index; at
-its ``k``-th collective a rank receives what the others sent at their ``k``-th. What a rank
-sends may depend on what it received (the replicas' distribution over the data-parallel group,
-the optimizer keys' agreement, then the plans and write results), so the passes over every
-rank repeat, each answered from the one before, until every rank makes the same calls as in the
-pass before (:func:`simulate`). Rank 0 then builds the real global plan and ``.metadata`` from
-every rank's real plan and write results, and seals the real ``metadata.json`` (the other
-ranks' files in place: :class:`PeerFiles`).
+its ``k``-th collective a rank receives what the others sent at their ``k``-th from the same
+line of code (a record made elsewhere is not its part). What a rank sends may depend on what it
+received (the replicas' distribution over the data-parallel group, the optimizer keys'
+agreement, then the plans and write results), so the passes over every rank repeat, each rank
+answered by the ranks before it in the same pass and by the others from the pass before, until
+every rank makes the same calls as in the pass before (:func:`simulate`). Rank 0 then builds
+the real global plan and ``.metadata`` from every rank's real plan and write results, and seals
+the real ``metadata.json`` (the other ranks' files in place: :class:`PeerFiles`).
 
 Measured on rank 0 and the last rank in the last pass, per save: the collectives (count, names, bytes sent and
 received, pickled), the planning phases (wall and CPU: the same wrappers as
@@ -198,8 +199,9 @@ class Collectives:
     group (``mode`` ``"record"`` or ``"replay"``) the collectives that carry data (objects,
     and the tensors of all-reduces, broadcasts and all-gathers) are answered here: this rank's
     payload is kept in :attr:`sent` under its call index, and the other ranks' parts are what
-    they sent at the same index in :attr:`peers` (``"replay"``), or this rank's own
-    (``"record"``, or a rank not recorded: counted in :attr:`unrecorded`). ``mode``
+    they sent at the same index from the same call site, in :attr:`sent` for a lower rank (it
+    ran before in this pass) and in :attr:`peers` for a higher one (``"replay"``), or this
+    rank's own (``"record"``, or a rank not recorded: counted in :attr:`unrecorded`). ``mode``
     ``"real"``: a real group, only counted.
     """
 
@@ -219,6 +221,8 @@ class Collectives:
         self.history: dict[int, list[tuple[str, int, int]]] = {}
         """Every rank's calls in the last pass over it."""
         self._depth = 0
+        self.site = ""
+        """Where the collective being answered was called (file and line)."""
         self._originals: dict[str, Callable[..., Any]] = {}
 
     def start_rank(
@@ -254,6 +258,7 @@ class Collectives:
             if me._depth:
                 return fn(*args, **kwargs)
             me._depth += 1
+            me.site = _call_site()
             try:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
@@ -328,7 +333,7 @@ class Collectives:
         if name == "broadcast_object_list":
             payload = pickle.dumps(arguments["object_list"])
             if self._is_src(arguments):
-                self.sent[self.rank][index] = (name, payload)
+                self.sent[self.rank][index] = (self._call(name), payload)
                 sent = len(payload)
             else:
                 theirs = self._peer(self._src(arguments), index, payload, name)
@@ -336,7 +341,7 @@ class Collectives:
                 sent, received = 0, len(theirs)
         else:
             payload = pickle.dumps(arguments["obj"])
-            self.sent[self.rank][index] = (name, payload)
+            self.sent[self.rank][index] = (self._call(name), payload)
             sent = len(payload)
             if name == "all_gather_object":
                 out = arguments["object_list"]
@@ -368,12 +373,12 @@ class Collectives:
         sent, received = size, 0
         if name == "broadcast":
             if self._is_src(arguments):
-                self.sent[self.rank][index] = (name, mine)
+                self.sent[self.rank][index] = (self._call(name), mine)
             else:
                 tensor.copy_(self._peer(self._src(arguments), index, mine, name))
                 sent, received = 0, size
         else:
-            self.sent[self.rank][index] = (name, mine)
+            self.sent[self.rank][index] = (self._call(name), mine)
             ranks = self._ranks(arguments)
             parts = [mine if r == me else self._peer(r, index, mine, name) for r in ranks]
             received = size * (len(ranks) - 1)
@@ -387,14 +392,43 @@ class Collectives:
 
     def _peer(self, rank: int, index: int, mine: Any, name: str) -> Any:
         """What ``rank`` sent at its call ``index`` (this rank's ``mine`` where it is not
-        recorded, or was another collective: a pass whose ranks took other paths)."""
-        recorded = self.peers.get(rank, {}).get(index) if self.mode == "replay" else None
-        if recorded is None or recorded[0] != name:
+        recorded, or was another collective: a pass whose ranks took other paths).
+
+        A rank that has already run in this pass (a lower one) is answered from this pass: what
+        rank 0 merges from a gather and broadcasts (the optimizer keys' union) reaches the others
+        in the pass it is made, not one pass later."""
+        recorded = None
+        if self.mode == "replay":
+            latest = self.sent if rank < self.rank else self.peers
+            recorded = latest.get(rank, {}).get(index)
+        call = self._call(name)
+        if recorded is None or recorded[0] != call:
             if self.mode == "replay":
                 self.unrecorded += 1
-                self.misses.append((index, rank, name, None if recorded is None else recorded[0]))
+                self.misses.append((index, rank, call, None if recorded is None else recorded[0]))
             return mine
         return recorded[1]
+
+    def _call(self, name: str) -> str:
+        """The collective being answered and where it was called from: a peer's record at the
+        same index made elsewhere (a pass whose ranks took paths of other lengths, such as the
+        optimizer keys' agreement: one collective more where the ranks' keys differ) is not
+        its part, even where the collective is the same."""
+        return f"{name} from {self.site}"
+
+
+def _call_site() -> str:
+    """The file and line that called the collective being answered (past the wrappers of
+    ``benchmarks``: this module's and :class:`benchmarks.scale.SaveProbe`'s)."""
+    frame = sys._getframe(2)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _HERE:
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _called_from(function: str, depth: int = 8) -> bool:
@@ -663,8 +697,9 @@ def simulate(layout: Layout, scratch: str) -> dict[str, Any]:
     A first pass runs every rank's first save, each rank's peers answered with its own
     payloads: what a rank sends before it has received anything is right (its shard
     metadata). Each later pass runs every rank's saves with its peers answered from the pass
-    before, so one more step of every exchange is right each time; the passes stop when every
-    rank called the same collectives as in the pass before (at most :data:`MAX_PASSES`)."""
+    before (a lower rank's from this pass), so one more step of every exchange is right each
+    time; the passes stop when every rank called the same collectives as in the pass before (at
+    most :data:`MAX_PASSES`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -245,7 +245,13 @@ def sharded_state_dict(
 def _agree(
     scalars: list[dict[str, Any]], stateful: set[str], names: set[str]
 ) -> tuple[list[dict[str, Any]], set[str], set[str]]:
-    """Collective over the default group: the union of every rank's findings (first value wins)."""
+    """Collective over the default group: the union of every rank's findings (first value wins,
+    in rank order).
+
+    Where the ranks' findings differ (pipeline stages hold different keys), they are gathered on
+    rank 0 alone, merged there, and the union broadcast: a rank other than 0 receives the
+    union, whose size does not grow with the ranks, never the other ranks' lists.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -256,16 +262,27 @@ def _agree(
         box = [scalars]
         dist.broadcast_object_list(box, src=0)
         return box[0], stateful, names
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (scalars, sorted(stateful), sorted(names)))
-    merged: list[dict[str, Any]] = [{} for _ in scalars]
-    for rank_scalars, rank_stateful, rank_names in gathered:
-        for mine, theirs in zip(merged, rank_scalars, strict=True):
-            for key, value in theirs.items():
-                mine.setdefault(key, value)
-        stateful |= set(rank_stateful)
-        names |= set(rank_names)
-    return merged, stateful, names
+    # The ranks' findings differ: gathered on rank 0 alone, the union broadcast from there. On
+    # NCCL both go through torch.cuda.current_device(), as _same_everywhere's all-reduce and
+    # every object collective of the engine (each rank's device, set with its process group).
+    found = (scalars, sorted(stateful), sorted(names))
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(found, gathered, dst=0)
+    union: list[Any] = [found]  # as in the fast path, each rank's own until rank 0's arrives
+    if gathered is not None:
+        merged: list[dict[str, Any]] = [{} for _ in scalars]
+        all_stateful: set[str] = set()
+        all_names: set[str] = set()
+        for rank_scalars, rank_stateful, rank_names in gathered:
+            for mine, theirs in zip(merged, rank_scalars, strict=True):
+                for key, value in theirs.items():
+                    mine.setdefault(key, value)
+            all_stateful |= set(rank_stateful)
+            all_names |= set(rank_names)
+        union[0] = (merged, sorted(all_stateful), sorted(all_names))
+    dist.broadcast_object_list(union, src=0)
+    agreed_scalars, agreed_stateful, agreed_names = union[0]
+    return agreed_scalars, set(agreed_stateful), set(agreed_names)
 
 
 def _same_everywhere(scalars: list[dict[str, Any]], stateful: set[str], names: set[str]) -> bool:

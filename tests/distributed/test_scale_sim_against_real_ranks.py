@@ -3,8 +3,10 @@ same saves on 4 gloo ranks and on the fake process group with every rank's colle
 recorded and replayed make the same collectives, send the same bytes, and leave rank 0 the same
 metadata.
 
-Layout TP 2 x DP 2 (the replicas' distribution over the data-parallel group is computed from
-what the other replica sent). Sizes agree to within a few bytes: the two runs' scratch paths,
+Layouts TP 2 x DP 2 (the replicas' distribution over the data-parallel group is computed from
+what the other replica sent) and TP 2 x PP 2 (the pipeline stages hold different optimizer
+keys: their union is gathered on rank 0 and broadcast from it, one collective more than where
+every rank holds the same keys). Sizes agree to within a few bytes: the two runs' scratch paths,
 which travel in broadcasts and write results, differ in length.
 """
 
@@ -26,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import scale_sim  # noqa: E402 - the repository's benchmarks, not a package
 
 
-def test_the_simulation_makes_the_collectives_and_metadata_of_real_ranks(tmp_path: Path):
-    layout = scale_sim.layout_for(4, 2, 1)
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2-dp2", "tp2-pp2"])
+def test_the_simulation_makes_the_collectives_and_metadata_of_real_ranks(tmp_path: Path, pp: int):
+    layout = scale_sim.layout_for(4, 2, pp)
     cfg = {"layout": asdict(layout), "dir": str(tmp_path / "real-ranks")}
     real = run_distributed(scale_sim.real_rank, 4, cfg, env={"OMP_NUM_THREADS": "1"})
     simulated = scale_sim.simulate_in_subprocess(layout, tmp_path / "sim")

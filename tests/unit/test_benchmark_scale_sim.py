@@ -5,7 +5,8 @@ ranks. On made-up figures and in-process state: no process group, no run.
 
 Axes: layouts (TP only, TP x PP, TP x PP x DP); growth (constant, linear, quadratic, a zero
 figure); collectives per save (constant, growing); the check's sequences (the same, different);
-the command line's refusals.
+a replayed peer's part (a lower rank, a higher one, a record from another call site); the
+command line's refusals.
 """
 
 from __future__ import annotations
@@ -143,6 +144,22 @@ def test_a_replayed_all_reduce_reduces_every_rank_s_input(op: str, expected: lis
 
     parts = [torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0])]
     assert scale_sim._reduce(parts, getattr(dist.ReduceOp, op)).tolist() == expected
+
+
+def test_a_replayed_rank_is_answered_by_lower_ranks_from_this_pass_and_only_from_the_same_call():
+    collectives = scale_sim.Collectives()
+    collectives.site = "optim.py:270"
+    call = collectives._call("broadcast_object_list")
+    before = {0: {3: (call, b"rank 0, pass before")}, 2: {3: (call, b"rank 2, pass before")}}
+    collectives.start_rank(1, "replay", peers=before, sent={0: {3: (call, b"rank 0, this pass")}})
+    # Rank 0 ran before rank 1 in this pass (what it merged and broadcast there); rank 2 not yet.
+    assert collectives._peer(0, 3, b"mine", "broadcast_object_list") == b"rank 0, this pass"
+    assert collectives._peer(2, 3, b"mine", "broadcast_object_list") == b"rank 2, pass before"
+    assert collectives.unrecorded == 0
+    # The same collective at the same index called elsewhere (a path of another length): a miss.
+    collectives.site = "optim.py:275"
+    assert collectives._peer(0, 3, b"mine", "broadcast_object_list") == b"mine"
+    assert collectives.unrecorded == 1
 
 
 @pytest.mark.parametrize(

@@ -381,7 +381,9 @@ class Collectives:
             self.sent[self.rank][index] = (self._call(name), mine)
             ranks = self._ranks(arguments)
             parts = [mine if r == me else self._peer(r, index, mine, name) for r in ranks]
-            received = size * (len(ranks) - 1)
+            # What the call filled, as counted on real ranks: an all-gather's other parts, an
+            # all-reduce's result (a ring all-reduce moves about twice that, whatever the ranks).
+            received = size * (len(ranks) - 1) if name == "all_gather" else size
             if name == "all_gather":
                 for out, part in zip(arguments["tensor_list"], parts, strict=True):
                     out.copy_(part)

@@ -1,7 +1,8 @@
 """The simulated scale benchmark (``python -m benchmarks --scale-sim``) against real ranks: the
 same saves on 4 gloo ranks and on the fake process group with every rank's collectives
 recorded and replayed make the same collectives, send the same bytes, and leave rank 0 the same
-metadata.
+metadata, and receive the same bytes (an all-reduce counted as the result it fills, as on real
+ranks).
 
 Layouts TP 2 x DP 2 (the replicas' distribution over the data-parallel group is computed from
 what the other replica sent) and TP 2 x PP 2 (the pipeline stages hold different optimizer
@@ -39,6 +40,7 @@ def test_the_simulation_makes_the_collectives_and_metadata_of_real_ranks(tmp_pat
         for mine, theirs in saves:
             assert theirs["names"] == mine["names"]
             assert abs(theirs["sent_bytes"] - mine["sent_bytes"]) <= 64
+            assert abs(theirs["received_bytes"] - mine["received_bytes"]) <= 64
     assert simulated["ranks"]["0"]["unrecorded"] == 0
     for name, size in real[0]["metadata"][scale_sim.CACHED].items():
         assert abs(simulated["ranks"]["0"]["metadata"][scale_sim.CACHED][name] - size) <= 64

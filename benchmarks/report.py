@@ -32,6 +32,14 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / MiB:.0f}"
 
 
+def _parts_lines(parts: dict[str, float] | None, what: str) -> list[str]:
+    """One line: ``what`` by part (the slowest rank's), in ms, the parts that took any time."""
+    if not parts:
+        return []
+    shown = ", ".join(f"{name} {1e3 * s:.1f}" for name, s in parts.items() if s >= 5e-5)
+    return ["", f"Where {what} went (ms, slowest rank per part): {shown}."]
+
+
 def read_limit(limit: dict[str, Any]) -> float:
     """The read limit a load is judged against: the faster of one stream and as many parallel
     streams as our reader uses, over the same bytes, cold."""
@@ -219,6 +227,11 @@ def _run_table(run_: dict[str, Any]) -> tuple[list[str], list[Check]]:
                 "plan's fingerprint and its all-reduce, extra/ with its fsync, finalising the "
                 "previous save.",
             ]
+            lines += _parts_lines(fixed.get("blocking_parts_s"), "the fixed costs")
+        lines += _parts_lines(asy.get("blocking_parts_s"), "our async blocking")
+        lines += _parts_lines(asy.get("first_blocking_parts_s"), "the first async save's blocking")
+        lines += _parts_lines(sync.get("first_blocking_parts_s"), "the first sync save")
+        lines += _parts_lines(sync.get("blocking_parts_s"), "a later sync save")
         if asy.get("state_bytes"):
             lines += [
                 "",

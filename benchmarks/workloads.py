@@ -456,11 +456,22 @@ def _our_fit(
             "first_blocking_s": metas[0]["blocking_time_s"],
             "bytes": metas[-1]["size_bytes"],
             "writer": metas[-1].get("writer", writer),
+            # The blocking time by part (medians of the steady saves; the first save apart).
+            "blocking_parts_s": _parts_median(steady),
+            "first_blocking_parts_s": metas[0].get("blocking_parts_s"),
             **probe.figures(),
         }
         if apart is not None:  # the wait before each save but the first (none before it)
             out["wait_for_previous_s"] = _summary(apart.waits[1:] or apart.waits)
     return out
+
+
+def _parts_median(metas: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The median of each part of the blocking time over ``metas`` (``None``: not recorded)."""
+    parts = [m["blocking_parts_s"] for m in metas if m.get("blocking_parts_s")]
+    if not parts:
+        return None
+    return {name: statistics.median(p.get(name, 0.0) for p in parts) for name in parts[0]}
 
 
 def _clean(rank: int, path: Path) -> None:
@@ -518,6 +529,7 @@ def save_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             out["ours-async"]["fixed_costs"] = {
                 "hidden": FIXED_COST_HIDDEN,
                 "blocking_s": fixed["blocking_s"],
+                "blocking_parts_s": fixed["blocking_parts_s"],
                 "bytes": fixed["bytes"],
             }
     except Exception:  # noqa: BLE001 - recorded; the other figures stand

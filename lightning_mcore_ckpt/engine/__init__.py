@@ -40,6 +40,7 @@ from lightning_mcore_ckpt.engine._rank_state import state_name as rank_state_nam
 from lightning_mcore_ckpt.engine._rank_state import write as write_payload
 from lightning_mcore_ckpt.engine._reader import CheckpointReader, holds_weights_only
 from lightning_mcore_ckpt.engine._records import (
+    BLOCKING_PARTS,
     CONTENTS,
     LOADED_FROM_KEY,
     CheckpointSaveError,
@@ -61,6 +62,7 @@ from lightning_mcore_ckpt.engine._state_dicts import (
 from lightning_mcore_ckpt.engine._writer import CheckpointWriter
 
 __all__ = [
+    "BLOCKING_PARTS",
     "CONTENTS",
     "LOADED_FROM_KEY",
     "CheckpointReader",

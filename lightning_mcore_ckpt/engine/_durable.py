@@ -38,6 +38,7 @@ def record_metadata(record: SaveRecord, *, step: Any, epoch: Any) -> dict[str, A
         "parallel_layout": record.parallel_layout,
         "blocking_time_s": record.blocking_time_s,
         "write_time_s": record.write_time_s,
+        **({"blocking_parts_s": dict(record.blocking_parts_s)} if record.blocking_parts_s else {}),
         **({"optimizer_sharding": record.optimizer_sharding} if record.optimizer_sharding else {}),
         **(
             {"distributed_optimizer_parts": record.distributed_optimizer_parts}

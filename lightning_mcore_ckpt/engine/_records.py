@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, Protocol, get_args, runtime_checkable
 
 __all__ = [
+    "BLOCKING_PARTS",
     "CONTENTS",
     "LOADED_FROM_KEY",
     "CheckpointSaveError",
@@ -19,6 +20,29 @@ __all__ = [
     "WriterKind",
     "WrittenBy",
 ]
+
+BLOCKING_PARTS = (
+    "before",
+    "create_step",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "plans",
+    "planning",
+    "staging",
+    "extra",
+    "write_inline",
+    "schedule",
+    "finalize",
+)
+"""The parts of a save's blocking time, in order: ``before`` (from the start the caller gave,
+e.g. the checkpoint hook's, to the save: building Lightning's checkpoint dict, the wait for the
+save before), ``create_step`` (the step directory, agreed), ``model_state_dict`` and
+``optimizer_state_dict`` (Megatron-Core's sharded state dicts; the optimizer's key agreement),
+``plans`` (the refusal checks and the plans' fingerprint with its all-reduce), ``planning``
+(Megatron-Core's planning, or its cached plans), ``staging`` (the state's copy into host
+buffers, async), ``extra`` (this rank's ``extra/`` file, fsynced, agreed), ``write_inline`` (a
+sync save's write and finalisation), ``schedule`` (handing an async write to its thread) and
+``finalize`` (an async save's finalisation at a later step)."""
 
 Content = Literal["model", "optimizer", "extra"]
 """A part of a step directory, as named in ``SaveOptions.contents``."""
@@ -96,6 +120,9 @@ class SaveRecord:
     max_staging_bytes: int | None = None
     """The host bytes the save could stage at once (``MegatronStrategy(ckpt_max_staging_bytes)``;
     ``None``: unbounded, every tensor at once)."""
+    blocking_parts_s: dict[str, float] = field(default_factory=dict)
+    """``blocking_time_s`` by part, each the slowest rank's (:data:`BLOCKING_PARTS`; parts
+    that did not run are 0): where a save's fixed costs go."""
     hashes: dict[str, str] = field(default_factory=dict)
     """On rank 0 (the rank that commits): the digest of every file the ranks hashed while
     writing it, by path relative to the step (see :mod:`lightning_mcore_ckpt.format.integrity`);

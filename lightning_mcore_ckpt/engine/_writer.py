@@ -27,6 +27,7 @@ from lightning_mcore_ckpt.engine._durable import commit_unowned
 from lightning_mcore_ckpt.engine._extra import RefusalWarnings, write_extra
 from lightning_mcore_ckpt.engine._plans import SavePlans
 from lightning_mcore_ckpt.engine._records import (
+    BLOCKING_PARTS,
     CheckpointSaveError,
     SaveListener,
     SaveOptions,
@@ -154,30 +155,36 @@ class CheckpointWriter:
         """
         self.finalize(blocking=True)
         start = time.perf_counter() if options.started_at is None else options.started_at
+        parts = _Parts(start)
+        parts.mark("before")
         _compat.drain_write_results()  # what a failed save left would go into this one
         path = Path(broadcast(str(filepath)))
         contents = list(options.contents)
         failure = self._create_step(path, contents, state)
         if failure is not None:
             return self._failed(path, failure, options)
+        parts.mark("create_step")
 
         # Sync and async saves take the same path (plan and stage here, write inline or in the
         # background, then finalise), as dist_checkpointing.save does: the same phases timed.
         async_save = self.async_save and not options.synchronous
         kept: list[BaseException] = []  # rank 0's finalisation errors, shared after
         request, write_timer, sharding = self._plan_and_stage(
-            path, contents, state, async_save, kept
+            path, contents, state, async_save, kept, parts
         )
 
         extra_write_s, failure = self._write_extra_agreed(path, contents, checkpoint, state)
         if failure is not None:
             return self._failed(path, failure, options)
+        parts.mark("extra")
         timings = {"start": start, "extra_write_s": extra_write_s}
         base = self._record_base(checkpoint, path, contents, async_save, sharding, state)
 
         if async_save:  # written in the background; finalize() completes it
             call_id = self._get_async_queue(state.device).schedule_async_request(request)
+            parts.mark("schedule")
             timings["call_s"] = time.perf_counter() - start
+            timings.update(parts.timings())
             self._pending = PendingSave(
                 path, [call_id], timings, base, options, write_timer, state.device, kept
             )
@@ -186,7 +193,9 @@ class CheckpointWriter:
         failure = self._write_inline(request, path, state, kept)
         if failure is not None:
             return self._failed(path, failure, options)
+        parts.mark("write_inline")
         timings["call_s"] = time.perf_counter() - start
+        timings.update(parts.timings())
         self._complete(base, timings, write_timer, options, state.device)
         return None
 
@@ -222,24 +231,29 @@ class CheckpointWriter:
         state: TrainingState,
         async_save: bool,
         kept: list[BaseException],
+        timed: _Parts,
     ) -> tuple[Any, torch.Tensor, Any]:
         """Build the sharded state dicts of ``model/`` and ``optim/``, plan and stage their
         shards: the write request (inline or in the background), the tensor its writers time
-        themselves into, and the optimizer's sharding."""
+        themselves into, and the optimizer's sharding. Each phase is marked on ``timed``."""
         parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
         own = self.writer == _compat.THREADS
         if own and self.shards.dedup is not None:
             self.shards.dedup.frozen = frozen_storages(state.module)
         if "model" in contents:
             parts.append((state.model_sharded_state_dict(), path / MODEL_DIR, None))
+        timed.mark("model_state_dict")
         sharding = None
         if "optimizer" in contents and state.optimizers:
             optim_ssd, optim_meta, sharding = optimizers_to_save(state)
             parts.append((optim_ssd, path / OPTIM_DIR, optim_meta))
+        timed.mark("optimizer_state_dict")
         for ssd, sub in ((ssd, d.name) for ssd, d, _ in parts):
             self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
         strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
+        timed.mark("plans")
         requests = plan_requests(parts, strategies, kept, self.writer, not self.plans.reused)
+        timed.mark("planning")
         write_timer = torch.zeros(1, dtype=torch.float64)
         if own:
             request = self.shards.request(
@@ -248,6 +262,7 @@ class CheckpointWriter:
         else:
             write_timer.share_memory_()  # written by Megatron-Core's background process
             request = combine_async_requests([r for _, r in requests], write_timer)
+        timed.mark("staging")
         return request, write_timer, sharding
 
     def _write_extra_agreed(
@@ -362,15 +377,19 @@ class CheckpointWriter:
         # measures its own elapsed time: clocks of different hosts are not compared).
         now = time.perf_counter()
         step, epoch = base.pop("global_step"), base.pop("epoch")
+        timings["part_finalize"] = timings.get("finalize_s", 0.0)
         mine = [
             timings["call_s"] + timings.get("finalize_s", 0.0),
             float(write_timer[0]) + timings["extra_write_s"],
             now - timings["start"],
+            *(timings.get(f"part_{name}", 0.0) for name in BLOCKING_PARTS),
         ]
+        # The blocking time's parts ride on the same all-reduce: each the slowest rank's.
         slowest = torch.tensor(mine, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        blocking, write, elapsed = (float(x) for x in slowest.cpu())
+        blocking, write, elapsed, *by_part = (float(x) for x in slowest.cpu())
         record = SaveRecord(
+            blocking_parts_s=dict(zip(BLOCKING_PARTS, by_part, strict=True)),
             **base,
             # On every node's leader too where the directory is node-local (it uploads them).
             hashes=_collectives.gather_hashes(
@@ -496,3 +515,22 @@ class CheckpointWriter:
             self._async_queue.close()
             self._async_queue = None
         self.shards.close()
+
+
+class _Parts:
+    """A save's blocking time cut into :data:`BLOCKING_PARTS`: each :meth:`mark` ends the part
+    running since the mark before (the first from ``start``)."""
+
+    def __init__(self, start: float) -> None:
+        self._last = start
+        self._seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        assert name in BLOCKING_PARTS, name
+        now = time.perf_counter()
+        self._seconds[name] = self._seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def timings(self) -> dict[str, float]:
+        """The parts as ``timings`` entries (``part_<name>``), for :meth:`_complete`."""
+        return {f"part_{name}": seconds for name, seconds in self._seconds.items()}

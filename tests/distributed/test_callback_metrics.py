@@ -12,6 +12,7 @@ from _wandb import read_wandb_history, read_wandb_metric_definitions
 
 from lightning_mcore_ckpt.cli.entry import main as cli_main
 from lightning_mcore_ckpt.cli.report import human_bytes
+from lightning_mcore_ckpt.engine import BLOCKING_PARTS
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -120,6 +121,19 @@ def test_every_save_is_logged_at_its_step_and_recorded(
         if not async_save:
             # A sync save blocks for its whole write.
             assert meta["blocking_time_s"] >= meta["write_time_s"]
+        # The blocking time by part, each the slowest rank's: no part exceeds the whole, and
+        # the whole (the slowest rank's sum) is at most the sum of the parts' slowest.
+        parts = meta["blocking_parts_s"]
+        assert sorted(parts) == sorted(BLOCKING_PARTS)
+        assert all(value >= 0 for value in parts.values()), parts
+        assert max(parts.values()) <= meta["blocking_time_s"] + 1e-6
+        assert meta["blocking_time_s"] <= sum(parts.values()) + 1e-6
+        if async_save:  # handed to the writer's thread: nothing written inline, finalised later
+            assert parts["write_inline"] == 0 and parts["schedule"] > 0, parts
+            assert parts["finalize"] > 0 and parts["staging"] > 0, parts
+        else:  # written inline: no thread, no later finalisation
+            assert parts["schedule"] == parts["finalize"] == 0, parts
+            assert parts["write_inline"] + parts["extra"] >= meta["write_time_s"] - 1e-6, parts
 
     # --- W&B: read the offline run back ------------------------------------------------------
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")

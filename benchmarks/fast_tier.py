@@ -38,7 +38,9 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
    process of the machine) to the first ``on_train_batch_start`` after the load; the phases on
    the way are recorded, and the recovery's own ``time_s`` (``fast_tier.jsonl``: finding the
    step together, checking the copies against their seals, fetching the missing ones; not the
-   load itself). The rows are interleaved, the order reversed every other round.
+   load itself). Where the recovery and the load went: the wall time of named functions in each
+   rank (:data:`RECOVERY_PARTS`, :data:`LOAD_PARTS`), the slower rank's, medians of the
+   launches. The rows are interleaved, the order reversed every other round.
 3. **Steps lost at a failure**: arithmetic from the cadences (see :func:`steps_lost`), with
    the save times of item 1 in steps of this run.
 
@@ -221,15 +223,39 @@ RECOVERY_PARTS = (
     ("read and check a copy (streamed)", "lightning_mcore_ckpt.fast.files", "verify"),
     ("send and receive", "lightning_mcore_ckpt.fast.recovery", "exchange"),
     ("check and write a fetched copy", "lightning_mcore_ckpt.fast.peers", "Bundle.write"),
+    ("recovery, in all", "lightning_mcore_ckpt.callback.fast_tier", "FastTierRun.recover"),
     ("load, in all", "lightning_mcore_ckpt.strategy.strategy", "MegatronStrategy.load_checkpoint"),
 )
+# Where the load after the recovery went, the same way: the fast tier's rank state (unpickled
+# from the bytes the recovery checked, then each tensor into the model's or the optimizer's),
+# the persistent tier's Megatron-Core loads, and what both do (the optimizer's state made to be
+# loaded into, the extra/ files).
+LOAD_PARTS = (
+    (
+        "rank state, in all",
+        "lightning_mcore_ckpt.engine._reader",
+        "CheckpointReader.load_rank_state",
+    ),
+    ("unpickle it (in memory)", "lightning_mcore_ckpt.engine._rank_state", "read"),
+    ("into model and optimizer", "lightning_mcore_ckpt.engine._rank_state", "_restore"),
+    ("persistent: weights", "lightning_mcore_ckpt.engine._reader", "CheckpointReader.load_weights"),
+    (
+        "persistent: optimizer",
+        "lightning_mcore_ckpt.engine._reader",
+        "CheckpointReader.load_optimizers",
+    ),
+    ("optimizer state made", "lightning_mcore_ckpt.training.optim", "init_state"),
+    ("extra/ checked", "lightning_mcore_ckpt.engine._reader", "CheckpointReader.check_extra"),
+    ("extra/ loaded", "lightning_mcore_ckpt.engine._reader", "CheckpointReader.load_extra"),
+)
+ALL_PARTS = RECOVERY_PARTS + LOAD_PARTS
 
 
 def _time_recovery(parts: dict[str, float]) -> None:
-    """Wrap each function of :data:`RECOVERY_PARTS` in this rank: its time summed in ``parts``."""
+    """Wrap each function of :data:`ALL_PARTS` in this rank: its time summed in ``parts``."""
     import importlib
 
-    for label, module_name, name in RECOVERY_PARTS:
+    for label, module_name, name in ALL_PARTS:
         owner: Any = importlib.import_module(module_name)
         *path, attr = name.split(".")
         for part in path:
@@ -453,7 +479,7 @@ def recover_once(
         "throttled_read_bytes": through_throttle,
         "parts": {
             label: max(r.get("recovery_parts", {}).get(label, 0.0) for r in ranks)
-            for label, _, _ in RECOVERY_PARTS
+            for label, _, _ in ALL_PARTS
         },
     }
 
@@ -721,7 +747,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             "recovery_time_s": _med([r.get("time_s") for r in recs]),
             "parts": {
                 label: _med([g.get("parts", {}).get(label) for g in launches])
-                for label, _, _ in RECOVERY_PARTS
+                for label, _, _ in ALL_PARTS
             },
             "tier": sorted({str(r.get("tier")) for r in recs}),
             "ranks_from_peers": sorted({r.get("ranks_from_peers") for r in recs}, key=str),
@@ -786,6 +812,21 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         *(
             f"| {row} | "
             + " | ".join(_f(rows[row]["parts"].get(label)) for label, _, _ in RECOVERY_PARTS)
+            + " |"
+            for row in rows
+        ),
+        "",
+        "Where the load went once the recovery had chosen (the same medians; `rank state, in "
+        "all`: the fast tier's `state_<r>.pt` loaded from the bytes the recovery checked, of "
+        "which `unpickle it` and `into model and optimizer` are parts; `persistent: ...`: "
+        "Megatron-Core's loads of the persistent tier; `optimizer state made`: the state a load "
+        "fills, made before it, in both tiers):",
+        "",
+        "| resumed from | " + " | ".join(label for label, _, _ in LOAD_PARTS) + " |",
+        "| --- |" + " --- |" * len(LOAD_PARTS),
+        *(
+            f"| {row} | "
+            + " | ".join(_f(rows[row]["parts"].get(label)) for label, _, _ in LOAD_PARTS)
             + " |"
             for row in rows
         ),

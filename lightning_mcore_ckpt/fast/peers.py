@@ -127,10 +127,11 @@ class Bundle:
         return len(self.seal) + sum(len(d) for d in self.contents)
 
 
-def _read(path: Path) -> bytearray:
-    """A file's bytes, read once into memory a tensor can be sent from without a copy."""
+def _read(path: Path) -> bytearray | memoryview:
+    """A file's bytes, read once into memory a tensor can be sent from without a copy
+    (:func:`files.buffer`)."""
     with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
+        data = files.buffer(os.fstat(f.fileno()).st_size)
         view = memoryview(data)
         done = 0
         while done < len(data):
@@ -142,10 +143,12 @@ def _read(path: Path) -> bytearray:
 
 
 def _as_tensor(data: Data) -> torch.Tensor:
+    """``data`` as a tensor to send: its own memory (a file read, :func:`files.buffer`, or a
+    received tensor's), or a copy where it is read-only (the seal: small)."""
     if not len(data):
         return torch.empty(0, dtype=torch.uint8)
-    buffer = data if isinstance(data, bytearray) else bytearray(data)  # the seal: small
-    return torch.frombuffer(buffer, dtype=torch.uint8)
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    return torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
 
 
 def _header(bundle: Bundle | None) -> torch.Tensor:
@@ -180,7 +183,7 @@ def exchange(
     for src, header in headers.items():
         if int(header[0]) == 1:
             sizes = [int(n) for n in header[2 : 3 + int(header[1])]]
-            buffers[src] = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            buffers[src] = [_receiving(n) for n in sizes]
             ops += [dist.P2POp(dist.irecv, t, src, group) for t in buffers[src] if t.numel()]
     _run(ops)
     out: dict[int, Bundle | None] = {}
@@ -188,6 +191,14 @@ def exchange(
         got = buffers.get(src)
         out[src] = None if got is None else Bundle(_bytes(got[0]), [_bytes(t) for t in got[1:]])
     return out
+
+
+def _receiving(size: int) -> torch.Tensor:
+    """A tensor to receive ``size`` bytes into (:func:`files.buffer`: large copies in 2 MiB
+    pages)."""
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(files.buffer(size), dtype=torch.uint8)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

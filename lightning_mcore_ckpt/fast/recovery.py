@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,11 +217,14 @@ def _checked_sources(
             failed = sorted(o for o in holders if o not in asked)
             why = "; ".join(p for o in failed for p in problems[o])
             return f"no whole copy of rank(s) {failed}'s files: {why}"
-        mine = {
-            o: _check(directory, o, check_finite, keep or o != rank, held)
-            for o, h in asked.items()
-            if h == rank
-        }
+        mine = _check_all(
+            directory,
+            [o for o, h in asked.items() if h == rank],
+            rank,
+            check_finite,
+            keep,
+            held,
+        )
         verdicts: dict[int, str | None] = {}
         for found in _gather(mine, group):
             verdicts.update(found)
@@ -232,19 +236,57 @@ def _checked_sources(
             tried[owner] += 1
 
 
-def _check(
-    directory: Path, owner: int, check_finite: bool, keep: bool, held: dict[int, Bundle]
-) -> str | None:
-    """What is wrong with rank ``owner``'s copy in ``directory`` (``None``: whole, unchanged
-    and, with ``check_finite``, finite), read once; a good copy's bytes go to ``held`` when
-    ``keep``."""
-    if not keep and not check_finite:
+def _check_all(
+    directory: Path,
+    owners: list[int],
+    rank: int,
+    check_finite: bool,
+    keep: bool,
+    held: dict[int, Bundle],
+) -> dict[int, str | None]:
+    """What is wrong with each of ``owners``' copies in ``directory`` (``None``: whole,
+    unchanged and, with ``check_finite``, finite): the copies this rank holds for them, each
+    read once. A good copy's bytes go to ``held`` when this rank loads it (its own, with
+    ``keep``) or sends it (another rank's).
+
+    Several copies are read at once, a thread each: a node that serves a replaced node's copies
+    reads them and its own, and one stream of reads leaves the disk idle between its requests,
+    which a second stream fills (the same bytes read; each copy hashed against its own seal,
+    in the thread that reads it). The content check and what is kept are done here, after."""
+    keeps = {o: check_finite or keep or o != rank for o in owners}
+    if len(owners) < 2:
+        found = {o: _read(directory, o, keeps[o]) for o in owners}
+    else:
+        with ThreadPoolExecutor(len(owners), thread_name_prefix="lmc-fast-check") as pool:
+            reading = {o: pool.submit(_read, directory, o, keeps[o]) for o in owners}
+            found = {o: f.result() for o, f in reading.items()}
+    return {
+        o: _judge(directory, o, found[o], check_finite, keep or o != rank, held) for o in owners
+    }
+
+
+def _read(directory: Path, owner: int, keep: bool) -> tuple[bytes, list[Data]] | str | None:
+    """Rank ``owner``'s copy in ``directory`` read and hashed against its seal: its seal and
+    files' bytes (``keep``), or what is wrong, or ``None`` (whole and unchanged, not kept)."""
+    if not keep:
         return files.verify(directory, owner)  # nothing to keep: hashed as it streams by
     found = files.read_checked(directory, owner)
-    if isinstance(found, str):
+    return found if isinstance(found, str) else (found[0], list[Data](found[1]))
+
+
+def _judge(
+    directory: Path,
+    owner: int,
+    found: tuple[bytes, list[Data]] | str | None,
+    check_finite: bool,
+    keep: bool,
+    held: dict[int, Bundle],
+) -> str | None:
+    """What is wrong with rank ``owner``'s copy, :func:`_read` having ``found`` it so; a good
+    copy's bytes go to ``held`` when ``keep``."""
+    if found is None or isinstance(found, str):
         return found
-    seal, contents = found
-    bundle = Bundle(seal, list[Data](contents))
+    bundle = Bundle(*found)
     problem = _non_finite(directory, owner, bundle) if check_finite else None
     if problem is None and keep:
         held[owner] = bundle
@@ -265,10 +307,11 @@ def _non_finite(directory: Path, owner: int, bundle: Bundle) -> str | None:
 
 def _payload(data: Any, path: Path) -> Any:
     """A state file's payload from its bytes in memory, checked before it is unpickled as a
-    load of the file is (torch's ``weights_only`` allowlist and the same extra types)."""
+    load of the file is (torch's ``weights_only`` allowlist and the same extra types); its
+    tensors are views of ``data`` (only read here: nothing is copied)."""
     from lightning_mcore_ckpt.safety import safe_load
 
-    return safe_load.load_torch_file(path, data=data)
+    return safe_load.load_torch_file(path, data=data, share=True)
 
 
 def _fetch(

@@ -178,33 +178,87 @@ def trusted_by_user(weights_only: bool | None = None) -> bool:
     return os.environ.get(TRUST_ENV, "0").lower() in ("1", "y", "yes", "true")
 
 
-def load_torch_file(path: Path, *, trusted: bool = False, data: Any = None) -> Any:
+def load_torch_file(
+    path: Path, *, trusted: bool = False, data: Any = None, share: bool = False
+) -> Any:
     """Load a ``torch.save`` file of ours (``extra/rank_<r>.pt``) on CPU.
 
     Checked first (see the module docstring), then loaded with ``weights_only=True`` and the
     :func:`extra_globals`. With ``trusted`` (:func:`trusted_by_user`), loaded as torch would
     load any pickle. ``data``: the file's bytes, already read (and checked against a digest):
     loaded from memory, the file not read again; ``path`` names it in errors.
+
+    ``share`` (with a writable ``data``): the tensors loaded are views of ``data``'s memory, as
+    ``torch.load(mmap=True)`` makes them of a file's, not copies of it: for a caller that copies
+    each tensor where it goes and keeps none of them (they keep ``data`` alive, and change with
+    it). The same check, the same unpickler; only the storages are not copied.
     """
     import torch
 
     def source() -> Any:
         return str(path) if data is None else remote_files.MemoryFile(data, str(path))
 
+    def load(weights_only: bool) -> Any:
+        if data is not None and share:
+            loaded = _load_shared(data, str(path), weights_only)
+            if loaded is not _UNSHARED:
+                return loaded
+        return torch.load(source(), map_location="cpu", weights_only=weights_only)
+
     if trusted:
-        return torch.load(source(), map_location="cpu", weights_only=False)
+        return load(weights_only=False)
     with allowing(extra_globals()):
         unsafe = scan(source(), str(path))
         if unsafe:
             raise refuse(str(path), unsafe)
         try:
-            return torch.load(source(), map_location="cpu", weights_only=True)
+            return load(weights_only=True)
         except pickle.UnpicklingError as err:
             # The scan reads globals as written; the restricted unpickler also refuses what
             # would be done with allowed ones.
             raise refuse(
                 str(path), [], f"torch's weights_only unpickler refused it: {err}"
             ) from err
+
+
+_UNSHARED = object()
+""":func:`_load_shared` could not share the bytes: ``torch.load`` copies them instead."""
+
+
+def _load_shared(data: Any, name: str, weights_only: bool) -> Any:
+    """A ``torch.save`` file's bytes in memory, unpickled as ``torch.load`` does (``weights_only``:
+    its restricted unpickler), each storage a view of ``data`` (none copied): torch's own load
+    with ``mmap=True``, given ``data`` as the memory a file is mapped to. :data:`_UNSHARED` where
+    that is not possible (read-only bytes, not a zip file, a torch without that load): the
+    caller loads it the ordinary way."""
+    import torch
+    import torch.serialization
+
+    ser: Any = torch.serialization  # its private parts: checked for below, not typed
+    internals = (
+        "_load",
+        "_open_zipfile_reader",
+        "_is_zipfile",
+        "_is_torchscript_zip",
+        "_weights_only_unpickler",
+    )
+    if not all(hasattr(ser, n) for n in internals):
+        return _UNSHARED
+    view = memoryview(data).cast("B")
+    if view.readonly or not view.nbytes or not ser._is_zipfile(remote_files.MemoryFile(view)):
+        return _UNSHARED
+    memory = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+    with ser._open_zipfile_reader(remote_files.MemoryFile(view, name)) as archive:
+        if ser._is_torchscript_zip(archive):
+            return _UNSHARED  # torch.load says what it says of one
+        unpickler = ser._weights_only_unpickler if weights_only else pickle
+        try:
+            return ser._load(archive, "cpu", unpickler, overall_storage=memory, encoding="utf-8")
+        except pickle.UnpicklingError as err:
+            if not weights_only:
+                raise
+            explain = getattr(ser, "_get_wo_message", str)  # torch.load's own wording
+            raise pickle.UnpicklingError(explain(str(err))) from None
 
 
 def _without_tensor_data(value: Any) -> Any:

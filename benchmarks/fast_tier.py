@@ -29,7 +29,16 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
      persistent tier's last one; that step is loaded from the shared directory;
    - **persistent tier, shared dir throttled** (where the kernel lets it be set up: root, a
      loop device, a block I/O controller): the same, the shared directory moved onto a file
-     system whose reads the kernel caps at :data:`THROTTLE_MIB_S` a node (:class:`ThrottledDir`).
+     system whose reads the kernel caps at :data:`THROTTLE_MIB_S` a node (:class:`ThrottledDir`);
+   - **persistent tier, S3 on loopback** (where boto3 and moto are installed): the same, the
+     persistent tier an ``s3://`` ``dirpath`` (its default staging ``local_dir``, node-local)
+     on an S3 server on 127.0.0.1 (:class:`S3Stand`: moto, the tests' and ``--only-s3``'s
+     server), not throttled. The training run saves to the shared directory; its persistent
+     step :data:`PERSISTED` is published into the bucket once, after it, by the library's own
+     uploader (``publication.publish_step``, what a commit to an ``s3://`` ``dirpath`` runs),
+     so every row loads the same committed step. Before each launch the server's spooled
+     objects are dropped from the page cache; after it, what the launch added to the bucket
+     (its lock, its ``fast_tier.jsonl``) is deleted.
 
    Each fast-tier row is judged against each persistent stand-in (:func:`targets`): MET when
    its recovery + load is at most :data:`RECOVERY_TARGET` x the stand-in's.
@@ -57,6 +66,7 @@ import os
 import platform
 import shutil
 import socket
+import stat
 import statistics
 import sys
 import time
@@ -86,6 +96,9 @@ THROTTLED = "persistent tier, shared dir throttled"
 THROTTLE_MIB_S = 100
 """The throttled shared directory's read bandwidth per node, MiB/s (a node's share of a
 shared file system or of its network link: 100 MiB/s is a 1 Gbit/s link)."""
+S3_ROW = "persistent tier, S3 on loopback"
+"""The persistent tier an ``s3://`` ``dirpath`` on an S3 server on loopback (:class:`S3Stand`),
+when boto3 and moto are installed."""
 RECOVERY_TARGET = 0.5
 """The target: the fast tier's recovery + load at most this share of a persistent tier's."""
 PHASES = ("rank started", "model set up", "state loaded", "first step starts")
@@ -127,7 +140,7 @@ def _callbacks(cfg: dict[str, Any], marks: dict[str, Any], prepare: bool) -> lis
                 row["step_s"] = started - row.pop("started")
 
     checkpoint = Timed(
-        Path(cfg["shared"]) / "ckpt",
+        cfg.get("store") or Path(cfg["shared"]) / "ckpt",  # an s3:// URL: the S3 stand-in
         every_n_train_steps=PERSIST,
         fast_tier=FastTier(
             Path(cfg["node_dir"]) / "fast",
@@ -148,7 +161,7 @@ def _callbacks(cfg: dict[str, Any], marks: dict[str, Any], prepare: bool) -> lis
             marks["state loaded"] = time.monotonic() - launched_at
             marks["resumed_step"] = trainer.global_step
             if prepare:  # where a fast save's time on the training thread goes
-                fast = checkpoint._fast
+                fast: Any = checkpoint._fast
                 for name, owner, attr in (
                     ("fast save, in all", checkpoint, "_fast_save"),
                     ("dump_checkpoint", trainer._checkpoint_connector, "dump_checkpoint"),
@@ -165,7 +178,7 @@ def _callbacks(cfg: dict[str, Any], marks: dict[str, Any], prepare: bool) -> lis
                 marks["first step starts"] = time.monotonic() - launched_at
                 _write_marks(cfg, trainer.global_rank, marks)
                 os._exit(0)
-            fast = checkpoint._fast
+            fast: Any = checkpoint._fast
             if step == KILLED_AT:  # fast step KILLED_AT and every persistent save done: killed
                 fast.report(wait=True)
                 self._wait_persistent(trainer)
@@ -316,8 +329,11 @@ def job(rank: int, world: int, cfg: dict[str, Any]) -> None:
 # --- the parent -------------------------------------------------------------------------------
 
 
-def _launch(root: Path, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """The job on :data:`NODES` simulated nodes under ``root``; each rank's marks."""
+def _launch(
+    root: Path, cfg: dict[str, Any], timeout: float, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The job on :data:`NODES` simulated nodes under ``root`` (``env`` added to every rank's
+    environment); each rank's marks."""
     from lightning_mcore_ckpt.testing import run_nodes
 
     shared, node_dir = root / "shared", root / "local"
@@ -327,7 +343,7 @@ def _launch(root: Path, cfg: dict[str, Any], timeout: float) -> list[dict[str, A
     cfg = {**cfg, "shared": str(shared), "node_dir": str(node_dir)}
     cfg["launched_at"] = time.monotonic()
     outcomes = run_nodes(
-        job, NODES, PER_NODE, cfg, node_dir=node_dir, timeout=timeout, outcomes=True
+        job, NODES, PER_NODE, cfg, node_dir=node_dir, timeout=timeout, env=env, outcomes=True
     )
     # Every rank leaves by os._exit(0) once its figures are written ("died with exit code 0
     # without reporting a result"): anything else failed.
@@ -443,8 +459,18 @@ def prepare(scratch: Path, size: str, timeout: float) -> dict[str, Any]:
     }
 
 
+def rows_measured(throttled: bool, s3: bool) -> list[str]:
+    """The recovery rows of a run: :data:`ROWS`, then each stand-in that could be set up."""
+    return [*ROWS, *([THROTTLED] if throttled else []), *([S3_ROW] if s3 else [])]
+
+
 def recover_once(
-    scratch: Path, row: str, size: str, timeout: float, throttled: ThrottledDir | None = None
+    scratch: Path,
+    row: str,
+    size: str,
+    timeout: float,
+    throttled: ThrottledDir | None = None,
+    s3: S3Stand | None = None,
 ) -> dict[str, Any]:
     """One launch of ``row`` from a fresh copy of the snapshot (see the module, item 2)."""
     from benchmarks import workloads
@@ -454,19 +480,36 @@ def recover_once(
     _copy(scratch / "snapshot", run)
     if row != ROWS[0]:
         _wipe(run, 0)
-    if row in (ROWS[2], THROTTLED):
+    if row in (ROWS[2], THROTTLED, S3_ROW):
         _wipe(run, 1)
     if row == THROTTLED:
         assert throttled is not None
         throttled.take(run / "shared")
+    cfg: dict[str, Any] = {"mode": "resume", "size": size}
+    env = None
+    if row == S3_ROW:  # the persistent tier is the bucket's: nothing else can be read
+        assert s3 is not None
+        shutil.rmtree(run / "shared" / "ckpt")
+        cfg["store"], env = s3.url, s3.env()
     os.sync()  # a dirty page is not dropped: the copy just written must reach the disk first
     workloads.drop_cache(run)
     if throttled is not None:
         workloads.drop_cache(throttled.mount)
     throttled_before = throttled.read_bytes() if throttled is not None else 0
     workloads.drop_cache(scratch / "snapshot")
-    ranks = _launch(run, {"mode": "resume", "size": size}, timeout)
-    recoveries = [r for r in _records(run) if r.get("kind") == "recovery"]
+    server_cpu, server_dropped = None, None
+    if s3 is not None:
+        server_dropped = s3.drop_cache()
+        server_cpu = s3.cpu_s()
+    ranks = _launch(run, cfg, timeout, env=env)
+    if row == S3_ROW:
+        assert s3 is not None and server_cpu is not None
+        server_cpu = s3.cpu_s() - server_cpu
+        records = s3.records()
+        s3.reset()
+    else:
+        server_cpu, server_dropped, records = None, None, _records(run)
+    recoveries = [r for r in records if r.get("kind") == "recovery"]
     shutil.rmtree(run, ignore_errors=True)
     through_throttle = None
     if throttled is not None:
@@ -477,6 +520,8 @@ def recover_once(
         "resumed_step": ranks[0]["resumed_step"],
         "recovery": recoveries[-1] if recoveries else None,
         "throttled_read_bytes": through_throttle,
+        "server_cpu_s": server_cpu,
+        "server_dropped_bytes": server_dropped,
         "parts": {
             label: max(r.get("recovery_parts", {}).get(label, 0.0) for r in ranks)
             for label, _, _ in ALL_PARTS
@@ -485,17 +530,30 @@ def recover_once(
 
 
 def measure(
-    scratch: Path, size: str, repeats: int, timeout: float, throttled: ThrottledDir | None = None
+    scratch: Path,
+    size: str,
+    repeats: int,
+    timeout: float,
+    throttled: ThrottledDir | None = None,
+    s3: S3Stand | None = None,
 ) -> dict[str, Any]:
     print(f"== fast tier, state {size}: the training run", flush=True)
     started = time.perf_counter()
     saves = prepare(scratch, size, timeout)
     print(f"   {time.perf_counter() - started:.0f} s", flush=True)
-    rows = [*ROWS, THROTTLED] if throttled is not None else list(ROWS)
+    published = None
+    if s3 is not None:  # the step the job left, into the bucket: the S3 row's persistent tier
+        published = s3.publish(scratch / "snapshot" / "shared" / "ckpt", PERSISTED)
+        print(
+            f"   step {PERSISTED} published to {s3.url}: {published['objects']} objects, "
+            f"{published['upload_bytes'] / MiB:.0f} MiB in {published['upload_time_s']:.2f} s",
+            flush=True,
+        )
+    rows = rows_measured(throttled is not None, s3 is not None)
     launches: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     for r in range(1, repeats + 1):
         for row in rows if r % 2 else rows[::-1]:
-            got = recover_once(scratch, row, size, timeout, throttled)
+            got = recover_once(scratch, row, size, timeout, throttled, s3)
             launches[row].append(got)
             rec = got["recovery"] or {}
             print(
@@ -507,6 +565,13 @@ def measure(
                     f", {got['throttled_read_bytes'] / MiB:.0f} MiB read through the throttle"
                     if got.get("throttled_read_bytes") is not None
                     else ""
+                )
+                + (
+                    f", S3 server CPU {got['server_cpu_s']:.2f} s, "
+                    f"{got['server_dropped_bytes'] / MiB:.0f} MiB of its files dropped from the "
+                    "page cache first"
+                    if got.get("server_cpu_s") is not None
+                    else ""
                 ),
                 flush=True,
             )
@@ -515,6 +580,8 @@ def measure(
         "saves": saves,
         "launches": launches,
         "throttle": throttled.describe() if throttled is not None else None,
+        "s3": s3.describe() if s3 is not None else None,
+        "s3_published": published,
     }
 
 
@@ -639,6 +706,152 @@ class ThrottledDir:
         self.image.unlink(missing_ok=True)
 
 
+class S3Stand:
+    """The persistent tier in an S3 bucket served on loopback: moto's S3 server
+    (``tests/storage/_s3server.py``, as the tests' ``s3`` fixture and ``--only-s3`` run it), in a
+    child process on 127.0.0.1, one bucket, the run under the prefix ``run``. Not throttled: the
+    server shares this machine's CPUs with the ranks. It keeps an object of up to 8 MiB in
+    memory and spools a larger one to an unlinked temporary file, which :meth:`drop_cache` drops
+    from the page cache through the server's open files, so that a load reads the disk as the
+    other rows do.
+
+    :meth:`open` returns ``None`` and why where it cannot be set up (no boto3 or moto)."""
+
+    PREFIX = "run"
+
+    def __init__(self, server: Any, bucket: str) -> None:
+        self.server, self.bucket = server, bucket
+        self.baseline: dict[str, int] = {}
+        """The bucket's objects once the step is published (name -> size), as each launch
+        finds it."""
+
+    @classmethod
+    def open(cls, scratch: Path) -> tuple[S3Stand | None, str]:
+        import importlib.util
+        import uuid
+
+        missing = [m for m in ("boto3", "moto") if importlib.util.find_spec(m) is None]
+        if missing:
+            return None, f"{' and '.join(missing)} not installed"
+        sys.path.insert(0, str(HERE.parent / "tests" / "storage"))
+        from _s3server import S3Server  # type: ignore[import-not-found]
+
+        server = S3Server(scratch / "s3server")
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        try:
+            server.start()
+            server.create_bucket(bucket)
+        except Exception as err:  # noqa: BLE001 - the server's or the client's, reported
+            server.stop()
+            return None, f"the S3 server cannot be started here: {err}"
+        return cls(server, bucket), ""
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.PREFIX}"
+
+    def env(self) -> dict[str, str]:
+        """The variables that point a rank's client at the server."""
+        return dict(self.server.env())
+
+    @contextlib.contextmanager
+    def _environ(self) -> Any:
+        saved = {k: os.environ.get(k) for k in self.env()}
+        os.environ.update(self.env())
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def _store(self) -> Any:
+        from lightning_mcore_ckpt.storage.object_store import ObjectStore
+
+        return ObjectStore.from_url(self.url)
+
+    def publish(self, ckpt: Path, step: int) -> dict[str, Any]:
+        """Publish the committed ``global_step_<step>`` of the local ``dirpath`` ``ckpt`` into
+        the bucket with the library's own uploader (``publication.publish_step``: every object,
+        the listing checked against the seal, the marker, the tracker, as a commit to an
+        ``s3://`` ``dirpath`` does); its figures and the bucket's object count."""
+        from lightning_mcore_ckpt.format import layout
+        from lightning_mcore_ckpt.storage import publication
+
+        with self._environ():
+            store = self._store()
+            figures = publication.publish_step(store, layout.step_dir(ckpt, step))
+            if step not in publication.published_steps(store):
+                raise RuntimeError(f"step {step} is not published in {self.url}")
+            self.baseline = store.list()
+        return {**figures, "objects": len(self.baseline)}
+
+    def records(self) -> list[dict[str, Any]]:
+        """The bucket's ``fast_tier.jsonl`` (what a launch recorded), its lines parsed."""
+        from lightning_mcore_ckpt.callback.fast_tier import RECORDS
+
+        with self._environ():
+            data = self._store().get_bytes(RECORDS)
+        text = "" if data is None else data.decode("utf-8", errors="replace")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def reset(self) -> None:
+        """The bucket as the next launch must find it: what a launch added (its lock, its
+        records) deleted; an object of the published step changed or gone fails the run."""
+        with self._environ():
+            store = self._store()
+            now = store.list()
+            store.delete([k for k in now if k not in self.baseline])
+            lost = [k for k, size in self.baseline.items() if now.get(k) != size]
+        if lost:
+            raise RuntimeError(f"a launch changed {len(lost)} objects of {self.url}: {lost[:3]}")
+
+    def drop_cache(self) -> int:
+        """The server's open regular files (its spooled objects) synced and dropped from the
+        page cache; their bytes."""
+        proc = self.server._proc
+        if proc is None:
+            return 0
+        dropped = 0
+        for fd in Path(f"/proc/{proc.pid}/fd").iterdir():
+            try:
+                if not os.readlink(fd).startswith("/"):  # a socket, a pipe
+                    continue
+                with open(fd, "rb") as f:
+                    info = os.fstat(f.fileno())
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    os.fsync(f.fileno())  # a dirty page is not dropped
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    dropped += info.st_size
+            except OSError:  # closed meanwhile
+                continue
+        return dropped
+
+    def cpu_s(self) -> float:
+        """The server's CPU seconds so far (user and system, every thread)."""
+        from benchmarks.s3_nodes import process_cpu_s
+
+        proc = self.server._proc
+        return process_cpu_s(proc.pid) if proc is not None else 0.0
+
+    def describe(self) -> str:
+        import importlib.metadata
+
+        return (
+            f"moto {importlib.metadata.version('moto')}'s S3 server (`tests/storage/_s3server.py`"
+            ", as the tests and `--only-s3` run it) on 127.0.0.1, in a process of its own "
+            "sharing the machine's CPUs (it serves a ranged GET from the whole object, read "
+            "from its spooled file); not throttled; the run's `dirpath` "
+            f"`s3://<bucket>/{self.PREFIX}` with its default staging `local_dir` (node-local)"
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 def subprocess_output(command: list[str]) -> str:
     import subprocess
 
@@ -745,6 +958,8 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
                 g["phases"]["state loaded"] - g["phases"]["model set up"] for g in launches
             ),
             "recovery_time_s": _med([r.get("time_s") for r in recs]),
+            "server_cpu_s": _med([g.get("server_cpu_s") for g in launches]),
+            "server_dropped_bytes": _med([g.get("server_dropped_bytes") for g in launches]),
             "parts": {
                 label: _med([g.get("parts", {}).get(label) for g in launches])
                 for label, _, _ in ALL_PARTS
@@ -755,6 +970,33 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         }
     out["rows"] = rows
     return out
+
+
+def _s3_stand_in(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
+    """The S3 stand-in's line under the comparison: what served it, how the step got there."""
+    if not result.get("s3"):
+        return f"`{S3_ROW}`: not measured ({result.get('s3_why') or 'not asked'})."
+    text = f"`{S3_ROW}`: {result['s3']}."
+    published = result.get("s3_published")
+    if published:
+        text += (
+            f" The training run saved to the shared directory; its committed step {PERSISTED} "
+            "was published into the bucket once, after it, by the library's uploader "
+            f"(`publication.publish_step`, as a commit to an `s3://` `dirpath` does: "
+            f"{published['objects']} objects, {published['upload_bytes'] / MiB:.0f} MiB, "
+            f"{published['upload_time_s']:.2f} s), so every row loads the same step."
+        )
+    dropped = rows.get(S3_ROW, {}).get("server_dropped_bytes")
+    text += (
+        " Before each launch the server's spooled objects"
+        + ("" if dropped is None else f" ({dropped / MiB:.0f} MiB)")
+        + " were dropped from the page cache; after it, the objects the launch added (its "
+        "lock, `fast_tier.jsonl`) were deleted."
+    )
+    cpu = rows.get(S3_ROW, {}).get("server_cpu_s")
+    if cpu is not None:
+        text += f" The S3 server's CPU time per launch: {cpu:.2f} s (median)."
+    return text
 
 
 def report(result: dict[str, Any], summary: dict[str, Any], machine: str, command: str) -> str:
@@ -850,7 +1092,9 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
             f"`{THROTTLED}`: {result['throttle']}."
             if result.get("throttle")
             else f"`{THROTTLED}`: not measured ({result.get('throttle_why') or 'not asked'})."
-        ),
+        )
+        + " "
+        + _s3_stand_in(result, rows),
         "",
         "#### Blocking per save (the same run, side by side)",
         "",
@@ -935,15 +1179,22 @@ def run(args: argparse.Namespace) -> int:
     scratch.mkdir(parents=True)
     started = time.perf_counter()
     state_bytes = {"quick": 64 * MiB, "256M": 256 * MiB, "1G": 1024 * MiB}[size]
+    # The S3 server first: outside the throttled directory's cgroup.
+    s3, s3_why = S3Stand.open(scratch)
+    if s3 is None:
+        print(f"   {S3_ROW}: not measured: {s3_why}", flush=True)
     throttled, why = ThrottledDir.open(scratch, state_bytes)
     if throttled is None:
         print(f"   {THROTTLED}: not measured: {why}", flush=True)
     try:
-        result = measure(scratch, size, repeats, 600 if args.quick else 3600, throttled)
+        result = measure(scratch, size, repeats, 600 if args.quick else 3600, throttled, s3)
         result["throttle_why"] = why or None
+        result["s3_why"] = s3_why or None
     finally:
         if throttled is not None:
             throttled.close()
+        if s3 is not None:
+            s3.close()
         shutil.rmtree(scratch, ignore_errors=True)
     machine = machine_line(
         f"Python {platform.python_version()}; every node's directory and the shared one on "

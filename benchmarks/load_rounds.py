@@ -420,7 +420,15 @@ def run(args: Any) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sizes = ["quick"] if args.quick else (args.sizes or "1G").split(",")
-    procs = [1] if args.quick else [int(p) for p in (args.procs or "1,2").split(",")]
+    default_procs = "1" if args.device == "cuda" else "1,2"
+    procs = [1] if args.quick else [int(p) for p in (args.procs or default_procs).split(",")]
+    if args.device == "cuda":
+        from benchmarks.__main__ import _cuda_problem
+
+        problem = _cuda_problem(procs)
+        if problem:
+            print(f"python -m benchmarks --only-loads --device cuda: {problem}", file=sys.stderr)
+            return 2
     rounds = 2 if args.quick else 2 * args.repeats
     scratch = Path(args.dir).resolve() / "loads"
     runs = []

@@ -6,10 +6,11 @@
 # that a run cut short still leaves what it measured:
 #   environment.txt   nvidia-smi, versions
 #   gpu-tier.log/.xml tests/gpu (one GPU: the one-GPU cells run side by side)
-#   bench/            python -m benchmarks --device cuda (JSON and Markdown after each size)
-# `scripts/gpu-tier.sh tests` or `... bench` runs one part only. TEST_TIMEOUT and BENCH_TIMEOUT
-# (seconds) bound each part; BENCH_ARGS replaces the benchmark's arguments (default:
-# --sizes 1G,4G).
+#   bench/            python -m benchmarks --device cuda (JSON and Markdown after each size),
+#                     then its cold loads in alternating rounds (--only-loads, 1G)
+# `scripts/gpu-tier.sh tests`, `... bench` or `... loads` runs one part only. TEST_TIMEOUT,
+# BENCH_TIMEOUT and LOADS_TIMEOUT (seconds) bound each part; BENCH_ARGS replaces the
+# benchmark's arguments (default: --sizes 1G,4G).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -35,10 +36,15 @@ timeout "${TEST_TIMEOUT:-330}" python3 -m pytest tests/gpu tests/distributed/tes
   --junitxml="$OUT/gpu-tier.xml" >"$OUT/gpu-tier.log" 2>&1 || status=1
 tail -n 30 "$OUT/gpu-tier.log"
 fi
-if [ "$part" != tests ]; then
+if [ "$part" = all ] || [ "$part" = bench ]; then
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --device cuda ${BENCH_ARGS:---sizes 1G,4G} \
   --dir /tmp/lmc-bench --out "$OUT/bench" >"$OUT/bench.log" 2>&1 || status=1
 tail -n 60 "$OUT/bench.log"
+fi
+if [ "$part" = all ] || [ "$part" = loads ]; then
+timeout "${LOADS_TIMEOUT:-240}" python3 -m benchmarks --only-loads --device cuda --sizes 1G \
+  --procs 1 --repeats 2 --dir /tmp/lmc-bench --out "$OUT/bench" >"$OUT/loads.log" 2>&1 || status=1
+tail -n 40 "$OUT/loads.log"
 fi
 exit "$status"

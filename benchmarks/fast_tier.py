@@ -52,6 +52,26 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
    launches. The rows are interleaved, the order reversed every other round.
 3. **Steps lost at a failure**: arithmetic from the cadences (see :func:`steps_lost`), with
    the save times of item 1 in steps of this run.
+4. **The fast tier against its own bounds** (:func:`bounds`): own copies, recovery + load at
+   most :data:`BOUND_SLACK` x (bytes per rank / the medium's read speed) + the fixed costs;
+   peer copies, at most :data:`BOUND_SLACK` x (bytes per rank / min(link, read speed)) + the
+   fixed costs. Both speeds are measured in the same run, in each round, interleaved with the
+   recovery launches (:func:`round_order`), and their medians used:
+
+   - **the medium's cold read speed** (:func:`read_cold`): the copies of fast step
+     ``KILLED_AT`` that the rank serving the peer row reads (node 1's: its own rank's and its
+     peer's), dropped from the page cache, read once with one thread per copy, as the
+     recovery reads a rank's copies (``fast.recovery._check_all``), not hashed;
+   - **the link between the simulated nodes** (:func:`link_speed`): gloo on loopback, a
+     ``uint8`` tensor the size of one rank's copy sent from node 1 to node 0 (the peer row's
+     direction) by a job of its own on :data:`NODES` simulated nodes, :data:`LINK_TRANSFERS`
+     timed transfers after one that warms the connection;
+   - **the fixed costs** (:func:`fixed_costs`): of the row's recovery + load, what is not
+     reading, checking or fetching bytes (:data:`BYTE_PARTS`): the parts named in
+     :data:`FIXED_PARTS`, the rest ``other``.
+
+   A bound whose speed could not be measured, or whose row was not launched, is ``MISSED``,
+   with why (``not measured: ...``).
 
 The node processes are forked from a server that imported the libraries (as ``run_nodes``
 always does): interpreter start and imports are not in the launch figure.
@@ -102,6 +122,31 @@ when boto3 and moto are installed."""
 RECOVERY_TARGET = 0.5
 """The target: the fast tier's recovery + load at most this share of a persistent tier's."""
 PHASES = ("rank started", "model set up", "state loaded", "first step starts")
+BOUND_SLACK = 1.2
+"""The fast tier's own bounds: recovery + load at most this x (bytes per rank / the speed the
+bytes can move at) + the named fixed costs (:func:`bounds`)."""
+GB = 1e9
+"""The bounds' speeds are in GB/s (10^9 bytes a second)."""
+MEDIUM = "cold read of the fast-tier copies"
+"""A round's measurement of the medium's read speed (:func:`read_cold`)."""
+LINK = "link between the simulated nodes"
+"""A round's measurement of the link's speed (:func:`link_speed`)."""
+LINK_TRANSFERS = 3
+"""Timed transfers of a rank's copy over the link per measurement (after one to warm it)."""
+BYTE_PARTS = ("check the copies", "fetch, in all")
+"""The parts of a fast-tier recovery + load that read, check or fetch the copies' bytes: what
+a bound's first term stands for (labels of :data:`RECOVERY_PARTS`)."""
+FIXED_PARTS = (
+    "inventory",
+    "unpickle it (in memory)",
+    "into model and optimizer",
+    "optimizer state made",
+    "extra/ checked",
+    "extra/ loaded",
+)
+"""The fixed costs named in a bound (labels of :data:`ALL_PARTS`, none inside another); the
+rest of recovery + load, once these and :data:`BYTE_PARTS` are taken off, is ``other``."""
+OTHER = "other"
 
 # (fast, persistent) cadences of the steps-lost table.
 CADENCES = ((10, 200), (20, 500), (50, 1000), (100, 2000))
@@ -326,6 +371,36 @@ def job(rank: int, world: int, cfg: dict[str, Any]) -> None:
     raise RuntimeError(f"rank {rank}: fit returned before step {KILLED_AT} (not killed)")
 
 
+def link_job(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
+    """One rank of the link's measurement (:func:`link_speed`): ``cfg["bytes"]`` sent from the
+    last node's rank to rank 0 over gloo, once to warm the connection, then
+    :data:`LINK_TRANSFERS` times, each after a barrier; rank 0's seconds per timed transfer (the
+    receiver's: from the barrier to the last byte in), the others' ``[]``."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # Every page touched first: the figure is the link's, not the kernel's page faults.
+        payload = torch.empty(int(cfg["bytes"]), dtype=torch.uint8).fill_(rank + 1)
+        sender = world - 1
+        seconds = []
+        for _ in range(LINK_TRANSFERS + 1):
+            dist.barrier()
+            started = time.perf_counter()
+            if rank == sender:
+                dist.send(payload, 0)
+            elif rank == 0:
+                dist.recv(payload, sender)
+            seconds.append(time.perf_counter() - started)
+        dist.barrier()
+        if rank == 0 and int(payload[-1]) != sender + 1:
+            raise RuntimeError("the link's payload arrived altered")
+        return seconds[1:] if rank == 0 else []
+    finally:
+        dist.destroy_process_group()
+
+
 # --- the parent -------------------------------------------------------------------------------
 
 
@@ -529,6 +604,116 @@ def recover_once(
     }
 
 
+def fast_copies(snapshot: Path) -> tuple[Path, dict[int, list[Path]]] | str:
+    """The copies of fast step :data:`KILLED_AT` in ``snapshot`` that the rank serving the peer
+    row reads (the last node's: its own rank's and the copies it holds for its peers), by owner
+    rank: each one's seal and files, as the recovery reads them; or why there are none."""
+    from lightning_mcore_ckpt.fast import files
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    step = files.step_dir(node_storage(snapshot / "local", NODES - 1) / "fast", KILLED_AT)
+    owners = [r for r in range(NODES * PER_NODE) if files.present(step, r)]
+    if not owners:
+        return f"no sealed fast-tier copy of step {KILLED_AT} in {step}"
+    return step, {
+        o: [step / files.seal_name(o), *(step / name for name in files.files_of(o))] for o in owners
+    }
+
+
+def _read_all(paths: list[Path]) -> int:
+    """``paths`` read once, in order, in chunks of 8 MiB into one buffer; the bytes read."""
+    chunk = bytearray(8 * MiB)
+    view = memoryview(chunk)
+    done = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while read := f.readinto(view):
+                done += read
+    return done
+
+
+def read_cold(scratch: Path) -> dict[str, Any]:
+    """The medium's cold read speed (see the module, item 4): the snapshot's copies of
+    :func:`fast_copies` synced, dropped from the page cache, then read with one thread per copy
+    (the recovery's ``_check_all``), not hashed. Bytes, streams, seconds, GB/s and the largest
+    copy's bytes (``bytes_per_rank``); or ``{"why": ...}``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks import workloads
+
+    try:
+        found = fast_copies(scratch / "snapshot")
+        if isinstance(found, str):
+            return {"why": found}
+        step, copies = found
+        per_copy = {o: sum(p.stat().st_size for p in paths) for o, paths in copies.items()}
+        os.sync()  # a dirty page is not dropped
+        workloads.drop_cache(step)
+        with ThreadPoolExecutor(len(copies), thread_name_prefix="bench-cold-read") as pool:
+            started = time.perf_counter()
+            read = sum(pool.map(_read_all, copies.values()))
+            seconds = time.perf_counter() - started
+    except Exception as err:  # noqa: BLE001 - reported as the figure's why
+        return {"why": f"the copies could not be read: {err}"}
+    if read != sum(per_copy.values()) or seconds <= 0:
+        return {"why": f"read {read} bytes of {sum(per_copy.values())} in {seconds:.3f} s"}
+    return {
+        "bytes": read,
+        "streams": len(copies),
+        "seconds": seconds,
+        "gbps": read / seconds / GB,
+        "bytes_per_rank": max(per_copy.values()),
+    }
+
+
+def link_speed(scratch: Path, timeout: float) -> dict[str, Any]:
+    """The link's speed between the simulated nodes (see the module, item 4): :func:`link_job`
+    on :data:`NODES` simulated nodes, a payload the size of the largest copy of
+    :func:`fast_copies`. Bytes, seconds per transfer, GB/s (their median); or ``{"why": ...}``."""
+    from lightning_mcore_ckpt.testing import run_nodes
+
+    root = scratch / "link"
+    try:
+        found = fast_copies(scratch / "snapshot")
+        if isinstance(found, str):
+            return {"why": f"no payload to size it by: {found}"}
+        size = max(sum(p.stat().st_size for p in paths) for paths in found[1].values())
+        shutil.rmtree(root, ignore_errors=True)
+        seconds = run_nodes(
+            link_job,
+            NODES,
+            PER_NODE,
+            {"bytes": size},
+            node_dir=root / "local",
+            timeout=min(timeout, 300.0),
+        )[0]
+    except Exception as err:  # noqa: BLE001 - a failed job: reported as the figure's why
+        last = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        return {"why": f"the link job failed: {last}"}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # the nodes' directories too (local.nodes)
+    median = statistics.median(seconds) if seconds else 0.0
+    if median <= 0:
+        return {"why": f"no timed transfer ({seconds})"}
+    return {"bytes": size, "transfers_s": seconds, "seconds": median, "gbps": size / median / GB}
+
+
+def round_order(rows: list[str], r: int) -> list[str]:
+    """Round ``r``'s order (from 1): the recovery rows, the medium's read after the first and
+    the link after the second (:data:`MEDIUM`, :data:`LINK`), reversed every other round."""
+    order = [rows[0], MEDIUM, *rows[1:2], LINK, *rows[2:]]
+    return order if r % 2 else order[::-1]
+
+
+def _speed_line(got: dict[str, Any]) -> str:
+    if got.get("gbps") is None:
+        return f"not measured: {got.get('why')}"
+    streams = f", {got['streams']} stream(s)" if got.get("streams") else ""
+    return (
+        f"{got['gbps']:.2f} GB/s ({got['bytes'] / MiB:.0f} MiB in {got['seconds']:.3f} s{streams})"
+    )
+
+
 def measure(
     scratch: Path,
     size: str,
@@ -551,8 +736,15 @@ def measure(
         )
     rows = rows_measured(throttled is not None, s3 is not None)
     launches: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+    reads: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
     for r in range(1, repeats + 1):
-        for row in rows if r % 2 else rows[::-1]:
+        for row in round_order(rows, r):
+            if row in (MEDIUM, LINK):  # the speeds of the fast tier's own bounds (item 4)
+                figure = read_cold(scratch) if row == MEDIUM else link_speed(scratch, timeout)
+                (reads if row == MEDIUM else links).append(figure)
+                print(f"round {r}, {row}: {_speed_line(figure)}", flush=True)
+                continue
             got = recover_once(scratch, row, size, timeout, throttled, s3)
             launches[row].append(got)
             rec = got["recovery"] or {}
@@ -582,6 +774,8 @@ def measure(
         "throttle": throttled.describe() if throttled is not None else None,
         "s3": s3.describe() if s3 is not None else None,
         "s3_published": published,
+        "medium_reads": reads,
+        "link_transfers": links,
     }
 
 
@@ -879,6 +1073,106 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, float, floa
     ]
 
 
+def bound_s(
+    bytes_per_rank: float, gbps: float, fixed_s: float, slack: float = BOUND_SLACK
+) -> float:
+    """A bound of the fast tier's recovery + load: ``slack`` x (``bytes_per_rank`` / the speed,
+    ``gbps`` GB/s) + ``fixed_s``."""
+    return slack * bytes_per_rank / (gbps * GB) + fixed_s
+
+
+def judge_bound(measured_s: float | None, bound: float | None) -> str:
+    """``MET`` when the measured time is at most the bound; ``MISSED`` otherwise, and without
+    both figures (a bound not measured is not met)."""
+    if measured_s is None or bound is None:
+        return "MISSED"
+    return "MET" if measured_s <= bound else "MISSED"
+
+
+def fixed_costs(row: dict[str, Any]) -> tuple[dict[str, float], float]:
+    """A fast-tier row's fixed costs (its summary's medians, s): each part of
+    :data:`FIXED_PARTS` timed, and :data:`OTHER`, the rest of recovery + load once those and
+    the parts that move bytes (:data:`BYTE_PARTS`) are taken off (not below 0); and the time
+    in those parts that move bytes."""
+    parts = row.get("parts", {})
+    moving = sum(parts.get(label) or 0.0 for label in BYTE_PARTS)
+    named = {label: parts[label] for label in FIXED_PARTS if parts.get(label) is not None}
+    named[OTHER] = max(0.0, row["load_s"] - moving - sum(named.values()))
+    return named, moving
+
+
+def speed(runs: list[dict[str, Any]] | None, what: str) -> dict[str, Any]:
+    """The median of a speed's measurements (one per round; ``gbps`` ``None`` with ``why``
+    when none was made)."""
+    got = [g for g in runs or [] if g.get("gbps")]
+    if not got:
+        why = next((g["why"] for g in runs or [] if g.get("why")), "not measured in this run")
+        return {"gbps": None, "n": 0, "why": f"{what}: {why}"}
+    values = [g["gbps"] for g in got]
+    out = {
+        "gbps": statistics.median(values),
+        "min_gbps": min(values),
+        "max_gbps": max(values),
+        "n": len(got),
+        "bytes": got[0]["bytes"],
+    }
+    for key in ("streams", "bytes_per_rank"):
+        if key in got[0]:
+            out[key] = got[0][key]
+    return out
+
+
+def bounds(
+    rows: dict[str, dict[str, Any]], read: dict[str, Any], link: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The fast tier against its own bounds (see the module, item 4), by fast-tier row: own
+    copies at :data:`BOUND_SLACK` x (bytes per rank / a node's share of ``read``) + fixed costs,
+    peer copies at :data:`BOUND_SLACK` x (bytes per rank / min(``link``, that share)) + fixed
+    costs (:func:`speed`'s figures; the :data:`NODES` simulated nodes share one disk); each with its figures, its verdict (:func:`judge_bound`) and, where a figure is
+    missing, ``why`` (``not measured: ...``)."""
+    per_rank = read.get("bytes_per_rank") or link.get("bytes")
+    # The simulated nodes share one disk (a cluster's nodes each have their own): a node's
+    # share of the medium is its read speed over the nodes, as both read at once.
+    share = dict(read, gbps=None if read.get("gbps") is None else read["gbps"] / NODES)
+    out: dict[str, dict[str, Any]] = {}
+    for row, peer in ((ROWS[0], False), (ROWS[1], True)):
+        speeds = [share, link] if peer else [share]
+        got: dict[str, Any] = {
+            "speed": f"min(link, read / {NODES} nodes)" if peer else f"read / {NODES} nodes",
+            "bytes_per_rank": per_rank,
+            "speed_gbps": None,
+            "transfer_s": None,
+            "fixed": {},
+            "fixed_s": None,
+            "bound_s": None,
+            "measured_s": None,
+            "bytes_s": None,
+            "why": None,
+        }
+        missing = [g["why"] for g in speeds if g.get("gbps") is None]
+        if row not in rows:
+            missing.insert(0, "the row was not launched")
+        else:
+            fixed, moving = fixed_costs(rows[row])
+            got.update(
+                fixed=fixed,
+                fixed_s=sum(fixed.values()),
+                measured_s=rows[row]["load_s"],
+                bytes_s=moving,
+            )
+        if not missing and per_rank:
+            got["speed_gbps"] = min(g["gbps"] for g in speeds)
+            got["transfer_s"] = bound_s(per_rank, got["speed_gbps"], 0.0)
+            got["bound_s"] = got["transfer_s"] + got["fixed_s"]
+        elif not missing:
+            missing.append("the bytes per rank are not known")
+        if missing:
+            got["why"] = "not measured: " + "; ".join(missing)
+        got["verdict"] = judge_bound(got["measured_s"], got["bound_s"])
+        out[row] = got
+    return out
+
+
 # --- the figures ------------------------------------------------------------------------------
 
 
@@ -969,6 +1263,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             "resumed_step": sorted({g["resumed_step"] for g in launches}),
         }
     out["rows"] = rows
+    read = speed(result.get("medium_reads"), "the medium's read speed")
+    link = speed(result.get("link_transfers"), "the link")
+    out["bounds"] = {"read": read, "link": link, "rows": bounds(rows, read, link)}
     return out
 
 
@@ -997,6 +1294,100 @@ def _s3_stand_in(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str
     if cpu is not None:
         text += f" The S3 server's CPU time per launch: {cpu:.2f} s (median)."
     return text
+
+
+def _verdict(got: dict[str, Any]) -> str:
+    return got["verdict"] + (f" ({got['why']})" if got.get("why") else "")
+
+
+def bounds_table(figures: dict[str, Any]) -> list[str]:
+    """The report's section "The fast tier against its own bounds" (:func:`bounds`'s figures,
+    as :func:`summarise` stores them)."""
+    read, link, rows = figures["read"], figures["link"], figures["rows"]
+
+    def measured(got: dict[str, Any], what: str) -> str:
+        if got.get("gbps") is None:
+            return f"{what}: not measured ({got['why']})"
+        return (
+            f"{what}: {got['gbps']:.2f} GB/s (median of {got['n']}; "
+            f"{got['min_gbps']:.2f}\u2013{got['max_gbps']:.2f})"
+        )
+
+    per_rank = next((g["bytes_per_rank"] for g in rows.values() if g["bytes_per_rank"]), None)
+    lines = [
+        "#### The fast tier against its own bounds",
+        "",
+        f"Targets: own copies, recovery + load at most {BOUND_SLACK} x (bytes per rank / the "
+        f"medium's read speed) + the fixed costs; peer copies, at most {BOUND_SLACK} x (bytes "
+        "per rank / min(link, read speed)) + the fixed costs; the speeds measured in this run, "
+        "once a round, interleaved with the launches above. The simulated nodes share one "
+        f"disk, which both read at once: a node's read speed is the disk's over {NODES}.",
+        "",
+        "| fast tier | bytes per rank, MiB | speed, GB/s | "
+        f"{BOUND_SLACK} x bytes / speed, s | fixed costs, s | bound, s | recovery + load, s "
+        "(median) | of which reading, checking, fetching, s | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {row} | {_f(None if g['bytes_per_rank'] is None else g['bytes_per_rank'] / MiB, 0)}"
+            f" | {_f(g['speed_gbps'])} ({g['speed']}) | {_f(g['transfer_s'])} | "
+            f"{_f(g['fixed_s'])} | {_f(g['bound_s'])} | {_f(g['measured_s'])} | "
+            f"{_f(g['bytes_s'])} | {_verdict(g)} |"
+            for row, g in rows.items()
+        ),
+        "",
+        "The medium: "
+        + measured(read, "its cold read speed")
+        + (
+            f", reading node {NODES - 1}'s copies of fast step {KILLED_AT} (its own rank's and "
+            f"its peer's: what the rank serving the peer copies reads; {read['streams']} "
+            f"copies, one thread each, as the recovery reads a rank's copies; "
+            f"{read['bytes'] / MiB:.0f} MiB, not hashed), synced and dropped from the page "
+            "cache first"
+            if read.get("gbps") is not None
+            else ""
+        )
+        + ". The link: "
+        + measured(link, "gloo on loopback between the simulated nodes")
+        + (
+            f", a uint8 tensor of one rank's copy ({link['bytes'] / MiB:.0f} MiB) sent from "
+            f"node {NODES - 1} to node 0, {LINK_TRANSFERS} timed transfers a round after one "
+            "that warms the connection, each round's median"
+            if link.get("gbps") is not None
+            else ""
+        )
+        + "."
+        + (
+            f" Bytes per rank: one rank's copy (seal, state and `extra/` file), "
+            f"{per_rank / MiB:.0f} MiB."
+            if per_rank
+            else ""
+        ),
+        "",
+        "Fixed costs in each bound (medians of the slower rank's seconds, as in the tables "
+        f"above): {', '.join(f'`{p}`' for p in FIXED_PARTS)} where timed, and `{OTHER}`: the rest "
+        f"of recovery + load once those and the reading, checking and fetching "
+        f"({', '.join(f'`{p}`' for p in BYTE_PARTS)}) are taken off.",
+        "",
+    ]
+    for row, g in rows.items():
+        if not g["fixed"]:
+            lines.append(f"- {row}: none (the row was not launched).")
+            continue
+        named = ", ".join(f"`{k}` {v:.3f}" for k, v in g["fixed"].items())
+        left = [p for p in FIXED_PARTS if p not in g["fixed"]]
+        lines.append(
+            f"- {row}: {named}; {g['fixed_s']:.3f} s in all"
+            + (f" (not timed: {', '.join(f'`{p}`' for p in left)})" if left else "")
+            + "."
+        )
+    lines += [
+        "",
+        f"The simulated nodes share one disk: in the own copies' launches the {NODES} ranks "
+        f"read their copies at once ({NODES} streams, {NODES} copies' bytes on it), as the read "
+        "measured here does; on machines of their own each disk would serve one. The nodes' "
+        "directories are on that disk: a fast tier in `/dev/shm` is not measured by this run.",
+    ]
+    return lines
 
 
 def report(result: dict[str, Any], summary: dict[str, Any], machine: str, command: str) -> str:
@@ -1095,6 +1486,8 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         )
         + " "
         + _s3_stand_in(result, rows),
+        "",
+        *bounds_table(summary["bounds"]),
         "",
         "#### Blocking per save (the same run, side by side)",
         "",

@@ -6,12 +6,16 @@ Axes: the cadence (2, 20, 500 steps) x the save's time in flight (none, half a c
 cadence); the tables' ratios (which row is the reference), the first save of each tier left
 out of the medians; each fast row against each persistent stand-in (the local disk, the
 throttled shared directory, the S3 bucket on loopback), a stand-in measured or not; the rows a
-run launches; the command line's refusal of a state too large.
+run launches; the command line's refusal of a state too large; the fast tier against its own
+bounds (the arithmetic, which speed bounds which row, the fixed costs named, MET at or under the
+bound, MISSED and why when a speed or a row was not measured, the table; the speeds measured each
+round between the launches, the cold read of the copies a node serves).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -296,3 +300,285 @@ def test_the_s3_row_is_launched_each_round_from_the_step_the_job_left_in_the_buc
     order = [row for row, _ in calls]
     assert order == [*fast_tier.ROWS, fast_tier.S3_ROW, fast_tier.S3_ROW, *fast_tier.ROWS[::-1]]
     assert all(s3 is stand for _, s3 in calls)
+
+
+# --- the fast tier against its own bounds ------------------------------------------------------
+
+
+def test_a_bound_is_the_slack_times_the_bytes_over_the_speed_plus_the_fixed_costs() -> None:
+    # 1.2 x (500 MB / 2 GB/s) + 0.45 s; the slack and GB/s (10^9 bytes a second) are the issue's.
+    assert fast_tier.BOUND_SLACK == 1.2 and fast_tier.GB == 1e9
+    assert fast_tier.bound_s(500_000_000, 2.0, 0.45) == pytest.approx(0.75)
+    assert fast_tier.bound_s(1_000_000_000, 0.5, 0.0) == pytest.approx(2.4)
+    assert fast_tier.bound_s(500_000_000, 2.0, 0.0, slack=1.0) == pytest.approx(0.25)
+    # The parts the bound names are parts the benchmark times, and none moves bytes.
+    labels = [label for label, _, _ in fast_tier.ALL_PARTS]
+    assert set(fast_tier.FIXED_PARTS) <= set(labels)
+    assert set(fast_tier.BYTE_PARTS) <= set(label for label, _, _ in fast_tier.RECOVERY_PARTS)
+    assert not set(fast_tier.FIXED_PARTS) & set(fast_tier.BYTE_PARTS)
+
+
+def test_the_fixed_costs_are_the_named_parts_and_the_rest_of_recovery_and_load() -> None:
+    row = {
+        "load_s": 2.0,
+        "parts": {
+            "check the copies": 0.5,
+            "fetch, in all": 0.6,
+            "inventory": 0.1,
+            "into model and optimizer": 0.2,
+            "extra/ loaded": None,  # not timed: not named
+            "recovery, in all": 1.5,  # holds the others: not a fixed cost
+        },
+    }
+    fixed, moving = fast_tier.fixed_costs(row)
+    assert moving == pytest.approx(1.1)
+    assert list(fixed) == ["inventory", "into model and optimizer", fast_tier.OTHER]
+    assert fixed["inventory"] == 0.1 and fixed["into model and optimizer"] == 0.2
+    assert fixed[fast_tier.OTHER] == pytest.approx(0.6)  # 2.0 - 1.1 - 0.3
+    # Parts that sum past recovery + load (medians of different launches): "other" is 0.
+    fixed, _ = fast_tier.fixed_costs({**row, "load_s": 1.0})
+    assert fixed[fast_tier.OTHER] == 0.0
+
+
+def _speeds(read_gbps: float | None, link_gbps: float | None) -> tuple[Any, Any]:
+    read = (
+        {"gbps": read_gbps, "n": 3, "bytes": 10**9, "streams": 2, "bytes_per_rank": 5 * 10**8}
+        if read_gbps
+        else {"gbps": None, "n": 0, "why": "the medium's read speed: no copy"}
+    )
+    link = (
+        {"gbps": link_gbps, "n": 3, "bytes": 5 * 10**8}
+        if link_gbps
+        else {"gbps": None, "n": 0, "why": "the link: the link job failed: boom"}
+    )
+    return read, link
+
+
+def _fast_rows() -> dict[str, dict[str, Any]]:
+    own, peer, _ = fast_tier.ROWS
+    return {
+        own: {"load_s": 1.0, "parts": {"check the copies": 0.55, "inventory": 0.1}},
+        peer: {"load_s": 2.0, "parts": {"check the copies": 0.5, "fetch, in all": 0.6}},
+    }
+
+
+def test_own_copies_are_bound_by_the_read_speed_and_peer_copies_by_the_slower_of_link_and_read() -> (
+    None
+):
+    own, peer, _ = fast_tier.ROWS
+    got = fast_tier.bounds(_fast_rows(), *_speeds(4.0, 1.0))
+    # Own: a node's share of the 4 GB/s read (2 nodes share the disk): 2 GB/s;
+    # 1.2 x 0.5 GB / 2 GB/s + (0.1 inventory + 0.35 other) = 0.3 + 0.45: 0.75 s, under the
+    # 1.0 s measured (0.55 s of it checking: more than 1.2 x the 0.25 s the read takes).
+    assert got[own]["speed_gbps"] == 2.0 and got[own]["speed"] == "read / 2 nodes"
+    assert got[own]["transfer_s"] == pytest.approx(0.3)
+    assert got[own]["fixed"] == {"inventory": 0.1, fast_tier.OTHER: pytest.approx(0.35)}
+    assert got[own]["fixed_s"] == pytest.approx(0.45)
+    assert got[own]["bound_s"] == pytest.approx(0.75)
+    assert (got[own]["measured_s"], got[own]["bytes_s"]) == (1.0, 0.55)
+    assert got[own]["verdict"] == "MISSED" and got[own]["why"] is None
+    # Peer: the link (1 GB/s) is slower than the read: 1.2 x 0.5 GB / 1 GB/s + 0.9 other =
+    # 1.5 s < 2.0 s measured.
+    assert got[peer]["speed_gbps"] == 1.0 and got[peer]["speed"] == "min(link, read / 2 nodes)"
+    assert got[peer]["transfer_s"] == pytest.approx(0.6)
+    assert got[peer]["fixed"] == {fast_tier.OTHER: pytest.approx(0.9)}
+    assert got[peer]["bound_s"] == pytest.approx(1.5)
+    assert got[peer]["verdict"] == "MISSED"
+    # A slower medium (1 GB/s, 0.5 a node): own 1.2 x 0.5 / 0.5 + 0.45 = 1.65 s (MET); peer now
+    # bound by the read (0.5 GB/s, slower than the 1 GB/s link): 1.2 + 0.9 = 2.1 s (MET).
+    got = fast_tier.bounds(_fast_rows(), *_speeds(1.0, 1.0))
+    assert got[own]["bound_s"] == pytest.approx(1.65) and got[own]["verdict"] == "MET"
+    assert got[peer]["speed_gbps"] == 0.5
+    assert got[peer]["bound_s"] == pytest.approx(2.1) and got[peer]["verdict"] == "MET"
+    # Without the slack the peer copies' would be missed (1.0 + 0.9 = 1.9 s < 2.0 s): the 1.2 is
+    # in the bound; with the link's speed for the own copies' bound it would be 1.05 s.
+    assert fast_tier.bound_s(5 * 10**8, 0.5, 0.9, slack=1.0) < 2.0
+
+
+@pytest.mark.parametrize(
+    ("measured", "bound", "verdict"),
+    [(1.0, 1.0, "MET"), (0.5, 1.0, "MET"), (1.01, 1.0, "MISSED"), (None, 1.0, "MISSED")],
+)
+def test_a_bound_is_met_at_or_under_it_and_missed_without_a_figure(
+    measured: float | None, bound: float | None, verdict: str
+) -> None:
+    assert fast_tier.judge_bound(measured, bound) == verdict
+    assert fast_tier.judge_bound(measured, None) == "MISSED"
+
+
+def test_a_bound_not_measured_is_missed_saying_why() -> None:
+    own, peer, _ = fast_tier.ROWS
+    # No read speed: neither bound can be computed.
+    got = fast_tier.bounds(_fast_rows(), *_speeds(None, 1.0))
+    for row in (own, peer):
+        assert got[row]["verdict"] == "MISSED" and got[row]["bound_s"] is None
+        assert got[row]["why"] == "not measured: the medium's read speed: no copy"
+    # No link: own copies still judged; peer copies missed, saying why.
+    got = fast_tier.bounds(_fast_rows(), *_speeds(0.5, None))
+    assert got[own]["verdict"] == "MET" and got[own]["why"] is None
+    assert got[peer]["verdict"] == "MISSED"
+    assert got[peer]["why"] == "not measured: the link: the link job failed: boom"
+    assert got[peer]["fixed_s"] == pytest.approx(0.9)  # its costs are still reported
+    # A row not launched.
+    got = fast_tier.bounds({own: _fast_rows()[own]}, *_speeds(2.0, 1.0))
+    assert got[peer]["verdict"] == "MISSED" and got[peer]["fixed"] == {}
+    assert got[peer]["why"] == "not measured: the row was not launched"
+
+
+def test_a_speed_is_the_median_of_its_rounds_and_says_why_when_none_was_measured() -> None:
+    runs: list[dict[str, Any]] = [
+        {"bytes": 10, "gbps": 4.0, "streams": 2, "bytes_per_rank": 5},
+        {"why": "the link job failed: timeout"},
+        {"bytes": 10, "gbps": 1.0, "streams": 2, "bytes_per_rank": 5},
+        {"bytes": 10, "gbps": 2.0, "streams": 2, "bytes_per_rank": 5},
+    ]
+    got = fast_tier.speed(runs, "the read")
+    assert (got["gbps"], got["min_gbps"], got["max_gbps"], got["n"]) == (2.0, 1.0, 4.0, 3)
+    assert (got["streams"], got["bytes_per_rank"]) == (2, 5)
+    assert fast_tier.speed([{"why": "no copy"}], "the read") == {
+        "gbps": None,
+        "n": 0,
+        "why": "the read: no copy",
+    }
+    assert fast_tier.speed(None, "the link")["why"] == "the link: not measured in this run"
+
+
+def _bounded() -> dict[str, Any]:
+    """:func:`_result`, with the parts of its fast rows' launches and the speeds of 3 rounds."""
+    result = _result()
+    own, peer, _ = fast_tier.ROWS
+    for launch in result["launches"][own]:  # recovery + load 1 s each
+        launch["parts"] = {
+            "check the copies": 0.25,
+            "inventory": 0.05,
+            "into model and optimizer": 0.2,
+            "extra/ checked": 0.05,
+        }
+    for launch in result["launches"][peer]:  # recovery + load 5 s; checks 1, 2, 6 s (median 2)
+        launch["parts"]["fetch, in all"] = 1.5
+    per_rank = 500_000_000
+    result["medium_reads"] = [
+        {"bytes": 2 * per_rank, "streams": 2, "seconds": 1.0, "gbps": g, "bytes_per_rank": per_rank}
+        for g in (1.0, 4.0, 2.0)
+    ]
+    result["link_transfers"] = [
+        {"bytes": per_rank, "seconds": 1.0, "gbps": g, "transfers_s": [1.0]}
+        for g in (0.6, 0.4, 0.5)
+    ]
+    return result
+
+
+def test_the_report_judges_the_fast_tier_against_its_own_bounds_in_a_table() -> None:
+    result = _bounded()
+    summary = fast_tier.summarise(result)
+    json.dumps(summary)  # the JSON summary holds the bounds
+    own, peer, _ = fast_tier.ROWS
+    stored = summary["bounds"]
+    assert stored["read"]["gbps"] == 2.0 and stored["link"]["gbps"] == 0.5
+    assert stored["rows"][own]["verdict"] == "MET" and stored["rows"][peer]["verdict"] == "MISSED"
+    table = fast_tier.report(result, summary, "machine", "command")
+    assert "#### The fast tier against its own bounds" in table
+    # Own: a node's share of the 2 GB/s read, 1 GB/s: 1.2 x 500 MB / 1 GB/s = 0.60 s + fixed
+    # 0.75 s (0.05 + 0.2 + 0.05, 0.45 other) = 1.35 s against 1.00 s measured, 0.25 s of it
+    # reading and checking.
+    assert (
+        f"| {own} | 477 | 1.00 (read / 2 nodes) | 0.60 | 0.75 | 1.35 | 1.00 | 0.25 | MET |" in table
+    )
+    # Peer: the link's 0.5 GB/s: 1.2 s + fixed 1.5 s (other) = 2.7 s against 5.0 s measured,
+    # 3.5 s of it checking (2.0) and fetching (1.5).
+    assert (
+        f"| {peer} | 477 | 0.50 (min(link, read / 2 nodes)) | 1.20 | 1.50 | 2.70 | 5.00 | 3.50 "
+        "| MISSED |" in table
+    )
+    assert "its cold read speed: 2.00 GB/s (median of 3; 1.00\u20134.00)" in table
+    assert "2 copies, one thread each" in table
+    assert (
+        "gloo on loopback between the simulated nodes: 0.50 GB/s (median of 3; 0.40\u20130.60)"
+        in table
+    )
+    # Which fixed costs went into each bound.
+    assert (
+        f"- {own}: `inventory` 0.050, `into model and optimizer` 0.200, `extra/ checked` 0.050, "
+        "`other` 0.450; 0.750 s in all (not timed: `unpickle it (in memory)`, "
+        "`optimizer state made`, `extra/ loaded`)." in table
+    )
+    assert f"- {peer}: `other` 1.500; 1.500 s in all" in table
+
+
+def test_the_report_says_a_bound_not_measured_is_missed_and_why() -> None:
+    result = _result()  # no speeds measured (a run before them, or both failed)
+    result["link_transfers"] = [{"why": "the link job failed: timeout"}]
+    table = fast_tier.report(result, fast_tier.summarise(result), "machine", "command")
+    own, peer, _ = fast_tier.ROWS
+    why = "the medium's read speed: not measured in this run"
+    assert (
+        f"| {own} | — | — (read / 2 nodes) | — | 1.00 | — | 1.00 | 0.00 | MISSED (not measured: "
+        f"{why}) |" in table
+    )
+    # The peer row's costs still shown: 2 s checking (the median of 1, 2, 6), 3 s the rest.
+    assert (
+        f"| {peer} | — | — (min(link, read / 2 nodes)) | — | 3.00 | — | 5.00 | 2.00 | "
+        f"MISSED (not measured: {why}; the link: the link job failed: timeout) |"
+    ) in table
+    assert f"its cold read speed: not measured ({why})" in table
+    assert "the simulated nodes: not measured (the link: the link job failed: timeout)" in table
+
+
+def test_the_speeds_are_measured_each_round_between_the_launches(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    rows = fast_tier.rows_measured(True, True)
+    order = fast_tier.round_order(rows, 1)
+    assert order == [rows[0], fast_tier.MEDIUM, rows[1], fast_tier.LINK, *rows[2:]]
+    assert fast_tier.round_order(rows, 2) == order[::-1]
+    first = fast_tier.round_order(list(fast_tier.ROWS), 1)  # no stand-in set up below
+    calls: list[str] = []
+
+    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+        calls.append(row)
+        return _launch(3.0, 1.0, 2.0, "fast" if row.startswith("fast") else "persistent", 0)
+
+    def read_cold(scratch: Path) -> dict[str, Any]:
+        calls.append(fast_tier.MEDIUM)
+        return {"bytes": 2, "streams": 2, "seconds": 1.0, "gbps": 1.0, "bytes_per_rank": 1}
+
+    def link_speed(scratch: Path, timeout: float) -> dict[str, Any]:
+        calls.append(fast_tier.LINK)
+        return {"why": "the link job failed: no"}
+
+    monkeypatch.setattr(fast_tier, "prepare", lambda *args: _result()["saves"])
+    monkeypatch.setattr(fast_tier, "recover_once", recover_once)
+    monkeypatch.setattr(fast_tier, "read_cold", read_cold)
+    monkeypatch.setattr(fast_tier, "link_speed", link_speed)
+    result = fast_tier.measure(tmp_path, "quick", 2, 60.0)
+    assert calls == first + first[::-1]
+    assert len(result["medium_reads"]) == 2 and result["link_transfers"][0]["why"]
+
+
+def test_the_cold_read_reads_every_copy_the_serving_node_holds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from lightning_mcore_ckpt.fast import files
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    assert fast_tier.read_cold(tmp_path)["why"].startswith("no sealed fast-tier copy")
+    assert fast_tier.link_speed(tmp_path, 1.0)["why"].startswith("no payload to size it by")
+    step = files.step_dir(
+        node_storage(tmp_path / "snapshot" / "local", fast_tier.NODES - 1) / "fast",
+        fast_tier.KILLED_AT,
+    )
+    sizes = {0: 3 * fast_tier.MiB + 5, 1: 1000}  # its peer's copy, its own
+    for rank, size in sizes.items():
+        written = {}
+        for name in files.files_of(rank):
+            (step / name).parent.mkdir(parents=True, exist_ok=True)
+            (step / name).write_bytes(b"x" * size)
+            written[name] = (size, "digest")
+        files.write_seal(step, rank, 2, written)
+    monkeypatch.setattr(fast_tier.os, "sync", lambda: None)  # not the whole machine's, here
+    got = fast_tier.read_cold(tmp_path)
+    copies = {r: 2 * s + (step / files.seal_name(r)).stat().st_size for r, s in sizes.items()}
+    assert got["streams"] == 2
+    assert got["bytes"] == sum(copies.values())
+    assert got["bytes_per_rank"] == copies[0]
+    assert got["gbps"] == pytest.approx(got["bytes"] / got["seconds"] / 1e9)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
@@ -176,11 +177,28 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
     later) still reads it: rank 1 would then blame node 0. Rank 0 waits for it to finish."""
     roll_call.register_host(_client(store), 1)
     ended: dict[int, float] = {}
+    last_use: dict[int, float] = {}
+
+    class Timed:
+        """A rank's store client that notes when each of its calls returned."""
+
+        def __init__(self, rank: int) -> None:
+            self.rank, self.client = rank, _client(store)
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(self.client, name)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                result = method(*args, **kwargs)
+                last_use[self.rank] = time.monotonic()
+                return result
+
+            return call
 
     def one(rank: int, delay: float) -> None:
         time.sleep(delay)
         roll_call.answer(
-            _client(store),
+            Timed(rank),
             generation=1,
             rank=rank,
             world_size=WORLD,
@@ -198,4 +216,6 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
         t.start()
     for t in threads:
         t.join(30)
-    assert ended[0] >= ended[1], ended  # node 1 (ranks 2, 3) silent: both waited, rank 0 last
+    # Node 1 (ranks 2, 3) silent: both waited; rank 0 returned only once rank 1's last call to
+    # the store (its "done") had returned: rank 1 was done with the store rank 0 serves.
+    assert ended[0] >= last_use[1], (ended, last_use)

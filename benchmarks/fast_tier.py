@@ -1195,6 +1195,19 @@ def _med(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def _parts_table(rows: dict[str, dict[str, Any]], parts: Any) -> list[str]:
+    """A table of the rows' median seconds in each of ``parts`` (``(label, ..., ...)``)."""
+    labels = [label for label, _, _ in parts]
+    return [
+        "| resumed from | " + " | ".join(labels) + " |",
+        "| --- |" + " --- |" * len(labels),
+        *(
+            f"| {row} | " + " | ".join(_f(rows[row]["parts"].get(label)) for label in labels) + " |"
+            for row in rows
+        ),
+    ]
+
+
 def _f(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
@@ -1440,14 +1453,7 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         "Where the recovery and load went (medians of the slower rank's seconds in each "
         "function, nested ones inside the others; `load, in all` contains the recovery):",
         "",
-        "| resumed from | " + " | ".join(label for label, _, _ in RECOVERY_PARTS) + " |",
-        "| --- |" + " --- |" * len(RECOVERY_PARTS),
-        *(
-            f"| {row} | "
-            + " | ".join(_f(rows[row]["parts"].get(label)) for label, _, _ in RECOVERY_PARTS)
-            + " |"
-            for row in rows
-        ),
+        *_parts_table(rows, RECOVERY_PARTS),
         "",
         "Where the load went once the recovery had chosen (the same medians; `rank state, in "
         "all`: the fast tier's `state_<r>.pt` loaded from the bytes the recovery checked, of "
@@ -1455,14 +1461,7 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         "Megatron-Core's loads of the persistent tier; `optimizer state made`: the state a load "
         "fills, made before it, in both tiers):",
         "",
-        "| resumed from | " + " | ".join(label for label, _, _ in LOAD_PARTS) + " |",
-        "| --- |" + " --- |" * len(LOAD_PARTS),
-        *(
-            f"| {row} | "
-            + " | ".join(_f(rows[row]["parts"].get(label)) for label, _, _ in LOAD_PARTS)
-            + " |"
-            for row in rows
-        ),
+        *_parts_table(rows, LOAD_PARTS),
         "",
         "#### The fast tier against each persistent stand-in",
         "",

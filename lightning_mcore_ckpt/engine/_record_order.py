@@ -19,12 +19,13 @@ from where the layout says.
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 from typing import IO, Any, cast
 
 import torch
+
+from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["HEAD", "TAIL", "Record"]
 
@@ -97,32 +98,18 @@ class Record:
         return data
 
 
-class _View(io.RawIOBase):
+class _View(remote_files.SeekableReader):
     """A record as a file of its own (positions from its first byte), served by :class:`Record`."""
 
     def __init__(self, record: Record) -> None:
-        super().__init__()
-        self._record, self._position = record, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._record.length}
-        self._position = max(0, base[whence] + position)
-        return self._position
+        super().__init__(record.length)
+        self._record = record
 
     def readinto(self, buffer: Any) -> int:
-        size = max(0, min(len(buffer), self._record.length - self._position))
+        size = max(0, min(len(buffer), self._length - self._pos))
         if size:
-            memoryview(buffer).cast("B")[:size] = self._record.serve(self._position, size)
-            self._position += size
+            memoryview(buffer).cast("B")[:size] = self._record.serve(self._pos, size)
+            self._pos += size
         return size
 
 

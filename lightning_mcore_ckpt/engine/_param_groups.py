@@ -20,7 +20,7 @@ anything is read) when the expert-parallel size changed: see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,13 +81,17 @@ def inner_counts(optimizers: Sequence[Any]) -> list[int] | None:
     return counts if any(counts) else None
 
 
-def record(optimizers: Sequence[Any], model_ssd: dict[str, Any]) -> dict[str, Any] | None:
+def record(
+    optimizers: Sequence[Any], model_ssd: Callable[[], dict[str, Any]]
+) -> dict[str, Any] | None:
     """Which parameters each group of each distributed optimizer holds, whole: the keys of
     every rank's shard of it (collective when the process group is up: every rank calls it, in
-    the same order, and gets the same answer). ``None``: no distributed optimizer."""
+    the same order, and gets the same answer). ``None``: no distributed optimizer.
+    ``model_ssd`` builds the model's sharded state dict (only called when there is one: it is
+    a fixed cost of every save)."""
     if inner_counts(optimizers) is None:
         return None
-    keys = _param_keys(model_ssd)
+    keys = _param_keys(model_ssd())
     mine = {
         f"optimizer_{idx}": [_groups_of(o, keys) for o in _inner(opt)]
         for idx, opt in enumerate(optimizers)

@@ -318,7 +318,7 @@ class CheckpointReader:
         (:mod:`._param_groups`; collective). A step written before the record has the live
         structure (an expert-parallel change was refused before the load): Megatron-Core pairs
         its groups itself."""
-        live = _param_groups.record(state.optimizers, state.model_sharded_state_dict())
+        live = _param_groups.record(state.optimizers, state.model_sharded_state_dict)
         if saved is None or live is None:
             return
         problem: str | None = None

@@ -193,7 +193,7 @@ def optimizers_to_save(
     metadata = megatron_optimizer_metadata(state.optimizer_sharding)
     # Which parameters each distributed optimizer group holds (collective): a load in another
     # layout (expert parallelism: other inner optimizers) maps the groups by parameter.
-    groups = _param_groups.record(state.optimizers, state.model_sharded_state_dict())
+    groups = _param_groups.record(state.optimizers, state.model_sharded_state_dict)
     ssd = optimizer_sharded_state_dict(
         state.optimizers, state.module, state.model_sharded_state_dict(), False, metadata
     )

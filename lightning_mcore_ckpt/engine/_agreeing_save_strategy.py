@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_mcore_ckpt.engine._kept_conversions import KeptConversions
+
 __all__ = ["defer_metadata_errors", "save_strategy"]
 
 
@@ -32,11 +34,17 @@ def _strategy_class() -> type:
         deferred_errors: list[BaseException]
         own_writer = False
         """Our :class:`~._shards.ShardWriter` writes: results go to a queue of this process."""
+        conversions: KeptConversions | None = None
+        """With cached plans: the torch sharded tensors kept from the saves before."""
 
         def async_save(self, *args: Any, **kwargs: Any) -> Any:
-            if not self.own_writer:
-                return super().async_save(*args, **kwargs)
-            with _local_results_queue():
+            with contextlib.ExitStack() as stack:
+                if self.own_writer:
+                    stack.enter_context(_local_results_queue())
+                if self.use_cached_ckpt_structure:
+                    if self.conversions is None:
+                        self.conversions = KeptConversions()
+                    stack.enter_context(self.conversions.in_use())
                 return super().async_save(*args, **kwargs)
 
         def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:

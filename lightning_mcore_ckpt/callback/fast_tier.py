@@ -115,6 +115,7 @@ class FastTierRun:
 
     def save(self, trainer: pl.Trainer) -> None:
         """A fast save of the current step (collective; the write goes on in the background)."""
+        self._settled()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state = trainer.strategy._training_state()  # type: ignore[attr-defined]
         self.writer.save(trainer.global_step, state, checkpoint)
@@ -178,6 +179,7 @@ class FastTierRun:
             dict(state.parallel_layout),
             check_finite=self.config.check_finite,
             keep=keep,
+            timeout_s=self.config.timeout_s,
         )
         if state.rank == 0:
             self._announce(found, newest)
@@ -195,6 +197,22 @@ class FastTierRun:
             return None
         held, found.held = found.held, None
         return held.named()
+
+    def settle(self, *, together: bool = True) -> None:
+        """Wait for this rank's copies fetched from a peer at the recovery to be written into
+        its node's directory (collective with ``together``, see :meth:`Recovery.settle`): the
+        strategy calls it once the state is loaded from their bytes (:meth:`take_held`), and
+        before anything of the fast tier may rely on them. A write that failed is logged (the
+        state loaded is the one that matched its seal; that node holds no copy of those files
+        until the next fast save)."""
+        found = self.recovery
+        if found is None:
+            return
+        problem = found.settle(self.writer.group, together=together)
+        if problem is not None and together and self._trainer.is_global_zero:
+            log.warning(
+                "fast tier: a copy fetched at the recovery could not be written: %s", problem
+            )
 
     def _announce(self, found: Recovery, newest: int | None) -> None:
         for why in found.skipped:
@@ -214,6 +232,7 @@ class FastTierRun:
 
     def log_recovery(self) -> None:
         """Log how the resume was served (rank 0, once training runs)."""
+        self._settled()
         found, self.recovery = self.recovery, None
         if found is not None:
             found.held = None  # not taken by the load: its memory goes now
@@ -230,7 +249,14 @@ class FastTierRun:
             },
         )
 
+    def _settled(self) -> None:
+        """The recovery's writes joined on this rank (they are, after a load through the
+        strategy: this is for a recovery whose load did not settle them)."""
+        if self.recovery is not None and self.recovery.writing:
+            self.recovery.settle(self.writer.group, together=False)
+
     def close(self, wait: bool = True) -> None:
+        self._settled()
         self.writer.close(wait)
         sources = self._trainer.strategy.checkpoint_sources  # type: ignore[attr-defined]
         if sources.get(str(self.config.root)) is self:

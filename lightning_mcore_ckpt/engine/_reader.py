@@ -173,7 +173,7 @@ class CheckpointReader:
         ``weights_only=True``); a refusal on any rank is raised on every rank, naming the file.
         ``held``: files' bytes already read, by path (a fast-tier recovery's checked copies).
         """
-        source = self._extra_source(directory, state.rank)
+        source = self._extra_source(directory, state.rank, held)
         error: _safe_load.UnsafeCheckpointError | None = None
         if source is not None and not trusted:
             try:
@@ -187,11 +187,17 @@ class CheckpointReader:
             raise _safe_load.UnsafeCheckpointError(f"{found[1]} (found on rank {found[0]})")
 
     @staticmethod
-    def _extra_source(directory: Path, rank: int) -> Path | None:
-        """The ``extra/`` file this rank reads: its own, else rank 0's (the layout changed)."""
+    def _extra_source(
+        directory: Path, rank: int, held: Mapping[Path, Any] | None = None
+    ) -> Path | None:
+        """The ``extra/`` file this rank reads: its own, else rank 0's (the layout changed).
+        Its own when ``held`` has its bytes (a fast-tier copy fetched from a peer is loaded
+        from them while it is still being written into the directory)."""
+        own = directory / f"rank_{rank:05d}.pt"
+        if held is not None and own in held:
+            return own
         if not directory.is_dir():
             return None
-        own = directory / f"rank_{rank:05d}.pt"
         return own if own.is_file() else directory / "rank_00000.pt"
 
     def check_shapes(
@@ -535,7 +541,7 @@ class CheckpointReader:
         batch; ``({}, None)`` when there is no ``extra/``. Loaded with ``weights_only=True``
         unless ``trusted`` (see :meth:`check_extra`, and for ``held``).
         """
-        source = self._extra_source(directory, state.rank)
+        source = self._extra_source(directory, state.rank, held)
         if source is None:
             log.warning("%s is missing: loops, callbacks and RNG start fresh", directory)
             return {}, None

@@ -7,14 +7,19 @@ count): a ring, so that each node sends and receives the same bytes, and a step 
 loss of any ``replicas`` nodes.
 
 Copies travel over a process group of their own (gloo, on the host): as bytes of whole files,
-each preceded by a header, point to point. The receiver writes them into its own node's
-directory under the same names and checks every file against the sender's seal before it
-writes the seal: a copy torn on the way never counts.
+each preceded by a header, point to point. The receiver takes each file as it arrives
+(:class:`Landing`): checks it against the sender's seal (size and digest) at once, and hands
+it to a thread that writes it into its own node's directory under the same name; the seal is
+written last, once every file is checked and written: a copy torn on the way never counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +31,7 @@ from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
-__all__ = ["Bundle", "NodeMap", "exchange", "receive", "send"]
+__all__ = ["Bundle", "Landing", "NodeMap", "exchange", "receive", "send"]
 
 _MAX_FILES = 8
 
@@ -102,29 +107,142 @@ class Bundle:
         """Write the files into ``step`` (this node), checked against the seal, then the seal;
         the bytes written. Raises ``ValueError`` for a copy that does not match its seal, and
         :class:`~lightning_mcore_ckpt.safety.names.UnsafeNameError` (before anything is written)
-        for a seal that names a file the rank may not have."""
-        record = files.parse_seal(self.seal)
+        for a seal that names a file the rank may not have. (:class:`Landing`, all at once.)"""
+        landing = Landing(step, rank, len(self.contents))
+        for index, data in enumerate((self.seal, *self.contents)):
+            landing.arrived(index, data)
+        try:
+            landing.finish()
+        except ValueError:
+            with contextlib.suppress(OSError):  # what is wrong with the copy is what is told
+                landing.join(None)
+            raise
+        landing.join(None)
+        return landing.written
+
+
+class Landing:
+    """A rank's copy of one step as it arrives from a peer (:func:`exchange`'s ``arrived``),
+    checked on arrival and written into this node's directory in a thread of its own.
+
+    The seal comes first: it must be whole, this rank's and this step's, and name only files
+    this rank may have, as many as are coming (else the copy is refused before anything is
+    written). Each file, as it arrives, is checked against the seal (size, digest: on the
+    receiving thread, so a copy is known good or bad as soon as its last byte is in) and queued
+    for the writer thread, which removes any old seal first, then writes each file durably
+    (:func:`~lightning_mcore_ckpt.storage.atomic.write_bytes`, fsynced). :meth:`finish` says
+    whether the whole copy matched its seal; only then is the seal queued, last: the writer
+    writes it only after every file was written, so a copy torn on the way or on the disk
+    never counts. The durable write is off the receiver's path: :meth:`join` waits for it.
+    """
+
+    def __init__(self, step: Path, rank: int, count: int) -> None:
+        self.step, self.rank, self.count = step, rank, count
+        self.seal: Data | None = None
+        self.contents: list[Data] = []
+        self.refused: ValueError | None = None
+        """What is wrong with the copy (nothing more is written for it, and no seal)."""
+        self.written = 0
+        """Bytes written so far (files, then the seal)."""
+        self._entries: list[tuple[str, dict[str, Any], Path]] = []
+        self._queue: queue.SimpleQueue[tuple[Path, Data | None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._failed: Exception | None = None
+
+    def arrived(self, index: int, data: Data) -> None:
+        """Piece ``index`` of the copy (``0``: the seal, then each file in the seal's order)
+        has arrived. A problem with the copy is kept in :attr:`refused`, not raised."""
+        if self.refused is not None:
+            return
+        try:
+            if index == 0:
+                self._take_seal(data)
+            else:
+                self._take_file(index - 1, data)
+        except ValueError as err:  # UnsafeNameError too
+            self.refused = err
+
+    def _take_seal(self, seal: Data) -> None:
+        step, rank = self.step, self.rank
+        record = files.parse_seal(seal)
         if record is None or record.get("rank") != rank:
             raise ValueError(f"the copy of rank {rank}'s seal for {step.name} is torn or altered")
         if record.get("step") != files.step_number(step):
             raise ValueError(f"the copy of rank {rank}'s seal for {step.name} seals another step")
         paths = files.sealed_paths(step, record, rank)
-        if len(self.contents) != len(paths):
+        if self.count != len(paths):
             raise ValueError(
-                f"the copy of rank {rank}'s files for {step.name} holds {len(self.contents)} "
+                f"the copy of rank {rank}'s files for {step.name} holds {self.count} "
                 f"files, its seal names {len(paths)}"
             )
-        (step / files.seal_name(rank)).unlink(missing_ok=True)
-        for (name, entry), data in zip(record["files"].items(), self.contents, strict=True):
-            if len(data) != entry["size"] or integrity.hash_bytes(data) != entry["digest"]:
-                raise ValueError(
-                    f"the copy of {step.name}/{name} does not match rank {rank}'s seal "
-                    f"({len(data)} bytes, {entry['size']} sealed)"
+        self.seal = seal
+        self._entries = [(name, entry, paths[name]) for name, entry in record["files"].items()]
+        # A daemon thread: a process whose peers are gone is not kept alive by a write.
+        self._thread = threading.Thread(target=self._write, name="lmc-fast-fetch", daemon=True)
+        self._thread.start()
+        self._queue.put((step / files.seal_name(rank), None))  # the old seal goes first
+
+    def _take_file(self, index: int, data: Data) -> None:
+        if self.seal is None or index >= len(self._entries):
+            raise ValueError(f"the copy of rank {self.rank}'s files for {self.step.name} is torn")
+        name, entry, path = self._entries[index]
+        if len(data) != entry["size"] or integrity.hash_bytes(data) != entry["digest"]:
+            raise ValueError(
+                f"the copy of {self.step.name}/{name} does not match rank {self.rank}'s seal "
+                f"({len(data)} bytes, {entry['size']} sealed)"
+            )
+        self.contents.append(data)
+        self._queue.put((path, data))
+
+    def finish(self) -> Bundle:
+        """Every piece has arrived: the copy, checked whole against its seal, whose seal is
+        then queued to be written last; or raises what is wrong with it (``ValueError``: no
+        seal is written)."""
+        if self.refused is None and (self.seal is None or len(self.contents) != self.count):
+            self.refused = ValueError(
+                f"the copy of rank {self.rank}'s files for {self.step.name} did not all arrive"
+            )
+        if self.refused is not None or self.seal is None:
+            self.abandon()
+            raise self.refused or ValueError("no seal")
+        self._queue.put((self.step / files.seal_name(self.rank), self.seal))
+        self._queue.put(None)
+        return Bundle(self.seal, self.contents)
+
+    def abandon(self) -> None:
+        """Write nothing more, and no seal (the files already queued are still written)."""
+        self._queue.put(None)
+
+    def join(self, timeout: float | None) -> None:
+        """Wait for the write (at most ``timeout`` seconds); raises its error (``OSError``),
+        or ``TimeoutError`` where it has not finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(
+                    f"writing rank {self.rank}'s copy into {self.step} took over {timeout} s"
                 )
-            paths[name].parent.mkdir(parents=True, exist_ok=True)
-            _atomic.write_bytes(paths[name], data)
-        _atomic.write_bytes(step / files.seal_name(rank), self.seal)
-        return len(self.seal) + sum(len(d) for d in self.contents)
+        if isinstance(self._failed, OSError):
+            raise self._failed
+        if self._failed is not None:
+            raise OSError(f"writing rank {self.rank}'s copy into {self.step}: {self._failed!r}")
+
+    def _write(self) -> None:
+        """The writer thread: each queued file in order, until ``None``; after a failure,
+        nothing more (no seal)."""
+        while (item := self._queue.get()) is not None:
+            if self._failed is not None:
+                continue
+            path, data = item
+            try:
+                if data is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    _atomic.write_bytes(path, data)
+                    self.written += len(data)
+            except Exception as err:  # noqa: BLE001 - told by join
+                self._failed = err
 
 
 def _read(path: Path) -> bytearray | memoryview:
@@ -164,28 +282,48 @@ def _header(bundle: Bundle | None) -> torch.Tensor:
 
 
 def exchange(
-    group: Any, outgoing: list[tuple[int, Bundle | None]], incoming: list[int]
+    group: Any,
+    outgoing: list[tuple[int, Bundle | None]],
+    incoming: list[int],
+    arrived: Callable[[int, int, int, Data], None] | None = None,
 ) -> dict[int, Bundle | None]:
     """Send each ``(peer, bundle)`` of ``outgoing`` (``None``: this rank has nothing to send)
     and receive one bundle from each rank of ``incoming`` (``None`` where that rank had
-    nothing), all at once, point to point over ``group`` (global ranks)."""
+    nothing), all at once, point to point over ``group`` (global ranks).
+
+    ``arrived(source, index, count, data)`` is called for each piece of each bundle received,
+    as soon as it is in (``index`` ``0``: the seal, then each of its ``count`` files), in
+    order, while the later ones still travel; it must not raise (a bundle's problem is kept,
+    see :class:`Landing`)."""
     headers = {src: torch.zeros(3 + _MAX_FILES, dtype=torch.int64) for src in incoming}
     ops = [dist.P2POp(dist.isend, _header(b), dst, group) for dst, b in outgoing]
     ops += [dist.P2POp(dist.irecv, h, src, group) for src, h in headers.items()]
     _run(ops)
     buffers: dict[int, list[torch.Tensor]] = {}
-    ops = []
+    sends = []
     for dst, bundle in outgoing:
         if bundle is not None:
             for data in (bundle.seal, *bundle.contents):
                 if data:
-                    ops.append(dist.P2POp(dist.isend, _as_tensor(data), dst, group))
+                    sends.append(dist.isend(_as_tensor(data), dst, group))
+    receives: list[tuple[int, int, int, torch.Tensor, Any]] = []
     for src, header in headers.items():
         if int(header[0]) == 1:
             sizes = [int(n) for n in header[2 : 3 + int(header[1])]]
             buffers[src] = [_receiving(n) for n in sizes]
-            ops += [dist.P2POp(dist.irecv, t, src, group) for t in buffers[src] if t.numel()]
-    _run(ops)
+            for index, t in enumerate(buffers[src]):
+                work = dist.irecv(t, src, group) if t.numel() else None
+                receives.append((src, index, len(sizes) - 1, t, work))
+    # Each piece as it is in (the group's timeout bounds each wait), the later ones arriving
+    # meanwhile; then every send.
+    for src, index, count, t, work in receives:
+        if work is not None:
+            work.wait()
+        if arrived is not None:
+            arrived(src, index, count, _bytes(t))
+    for work in sends:
+        if work is not None:
+            work.wait()
     out: dict[int, Bundle | None] = {}
     for src in incoming:
         got = buffers.get(src)

@@ -13,8 +13,12 @@ Collective (every rank, at the load), in this order:
    copy is passed over for the next holder, and a rank with none left rules the step out, with
    a warning naming why;
 4. a rank whose own node lacks its good copy receives it from the holder (the bytes the holder
-   checked: not read again), checks it, and writes it into its node's directory (a replaced node
-   is repopulated as it resumes);
+   checked: not read again), checks each file against the seal as it arrives, and writes it
+   into its node's directory in a thread of its own, the seal last (a replaced node is
+   repopulated as it resumes). A copy that does not match its seal rules the step out on every
+   rank, as in 3. With ``keep``, the write goes on while the state is loaded from the received
+   bytes: the caller joins it with :meth:`Recovery.settle` once the load is done (collective);
+   without, it is joined here, and a failed write rules the step out;
 5. every node drops the fast steps newer than the one chosen (the future that was not kept).
 
 The outcome: the fast step to load, or the persistent tier (``None`` there when it has no
@@ -37,7 +41,7 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt.engine import non_finite
 from lightning_mcore_ckpt.fast import files
-from lightning_mcore_ckpt.fast.peers import Bundle, Data, NodeMap, exchange
+from lightning_mcore_ckpt.fast.peers import Bundle, Data, Landing, NodeMap, exchange
 
 __all__ = ["Recovery", "recover"]
 
@@ -61,6 +65,34 @@ class Recovery:
     held: Bundle | None = field(default=None, repr=False)
     """This rank's own files of :attr:`step`, as they matched their seal, in memory (only with
     ``recover(keep=True)``): the load uses these bytes, not the files."""
+    writing: list[tuple[int, Landing]] = field(default_factory=list, repr=False)
+    """This rank's copies fetched from a peer (by source), still being written into its node's
+    directory (only with ``recover(keep=True)``): joined by :meth:`settle`."""
+    timeout_s: float = 600.0
+    """The bound on :meth:`settle`'s wait for the write."""
+
+    def settle(self, group: Any, *, together: bool = True) -> str | None:
+        """Wait for the copies fetched from peers to be written into their nodes' directories
+        (sealed last); what failed, on every rank (``None``: each is whole and sealed on its
+        node). Collective over ``group`` when ``together`` and a rank's copy came from a peer
+        (the same on every rank); else this rank's own, logged. Once settled, the step is as
+        durable on each node as its copies' seals say; nothing of the fast tier may rely on a
+        fetched copy before (a save, a retention, another recovery)."""
+        landings, self.writing = self.writing, []
+        error = None
+        for source, landing in landings:
+            try:
+                landing.join(self.timeout_s)
+            except OSError as err:  # TimeoutError too
+                error = (
+                    f"rank {landing.rank} ({socket.gethostname()}) writing its files of fast "
+                    f"step {self.step} fetched from rank {source} into its node's directory: {err}"
+                )
+                log.warning("fast tier: %s; that node holds no copy of them", error)
+        if not together or not self.from_peers:
+            return error
+        errors = [e for e in _gather(error, group) if e is not None]
+        return "; ".join(errors) if errors else None
 
     @property
     def from_peers(self) -> int:
@@ -102,13 +134,16 @@ def recover(
     *,
     check_finite: bool = False,
     keep: bool = False,
+    timeout_s: float = 600.0,
 ) -> Recovery:
     """Find, check and fetch the fast step to resume (see the module). ``newer_than``: the
     persistent tier's last step (``None``: it has none); ``layout``: this run's parallel sizes
     (a step saved in others is not resumed); ``check_finite``: a copy holding a NaN or an
     infinity is passed over; ``keep``: this rank's own files, as checked, are kept in
-    :attr:`Recovery.held` for the load (else they are read again from the node's directory).
-    Collective over ``group``."""
+    :attr:`Recovery.held` for the load (else they are read again from the node's directory),
+    and the copies fetched from peers are still being written when this returns: the caller
+    loads from :attr:`Recovery.held`, then calls :meth:`Recovery.settle` (``timeout_s``: its
+    bound on that wait). Collective over ``group``."""
     started = time.perf_counter()
     world = _world(group)
     inventories = _gather(_inventory(root, world, layout), group)
@@ -125,14 +160,31 @@ def recover(
             or _unheld(holders)
             or _checked_sources(root, step, holders, rank, group, check_finite, keep, held)
         )
+        writing: list[tuple[int, Landing]] = []
         problem = (
-            checked if isinstance(checked, str) else _fetch(root, step, checked, rank, group, held)
+            checked
+            if isinstance(checked, str)
+            else _fetch(root, step, checked, rank, group, held, writing)
         )
+        found = Recovery(step, None, {}, outcome.skipped, writing=writing, timeout_s=timeout_s)
+        if problem is None and not keep and not isinstance(checked, str):
+            # The load reads the files from the directory: written first, or the step is out.
+            found.sources = checked
+            problem = found.settle(group)
         if problem is not None or isinstance(checked, str):
+            found.settle(group, together=False)  # this step's copies written as far as they go
             outcome.skipped.append(f"fast step {step}: {problem}")
             continue
         mine = held.get(rank) if keep else None
-        outcome = Recovery(step, files.step_dir(root, step), checked, outcome.skipped, held=mine)
+        outcome = Recovery(
+            step,
+            files.step_dir(root, step),
+            checked,
+            outcome.skipped,
+            held=mine,
+            writing=found.writing,
+            timeout_s=timeout_s,
+        )
         break
     _drop_newer(root, nodes, rank, outcome.step, newer_than, inventories)
     outcome.time_s = time.perf_counter() - started
@@ -315,26 +367,48 @@ def _payload(data: Any, path: Path) -> Any:
 
 
 def _fetch(
-    root: Path, step: int, sources: dict[int, int], rank: int, group: Any, held: dict[int, Bundle]
+    root: Path,
+    step: int,
+    sources: dict[int, int],
+    rank: int,
+    group: Any,
+    held: dict[int, Bundle],
+    writing: list[tuple[int, Landing]],
 ) -> str | None:
     """Bring each rank's copy to its own node where it comes from another (collective): the
-    holder sends the bytes it checked (``held``), the owner checks them on arrival, writes them
-    into its node's directory and keeps them in ``held``. The problem, the same on every rank,
-    or ``None``."""
+    holder sends the bytes it checked (``held``); the owner checks each file against the seal
+    as it arrives and queues it to be written into its node's directory (:class:`Landing`),
+    and keeps the bytes in ``held``. The problem with a copy, the same on every rank, or
+    ``None``. The writes go on: ``writing`` gets them (by source), to be joined
+    (:meth:`Recovery.settle`) when no copy was refused, else after their last queued file."""
     directory = files.step_dir(root, step)
     moves = [(owner, source) for owner, source in sources.items() if owner != source]
     error = None
     outgoing = [(owner, held.pop(owner, None)) for owner, source in moves if source == rank]
     incoming = [source for owner, source in moves if owner == rank]
-    received = exchange(group, outgoing, incoming) if moves else {}
+    landings: dict[int, Landing] = {}
+
+    def arrived(source: int, index: int, count: int, data: Data) -> None:
+        if index == 0:
+            landings[source] = Landing(directory, rank, count)
+        landings[source].arrived(index, data)
+
+    try:
+        received = exchange(group, outgoing, incoming, arrived) if moves else {}
+    except BaseException:
+        for landing in landings.values():
+            landing.abandon()
+        raise
     del outgoing  # sent: their memory goes
     for source, bundle in received.items():
         try:
             if bundle is None:
                 raise ValueError(f"rank {source} could not read it")
-            bundle.write(directory, rank)
-            held[rank] = bundle
-        except (OSError, ValueError) as err:
+            landing = landings[source]
+            writing.append((source, landing))
+            # Checked on arrival: the state is loaded from these bytes only if they matched.
+            held[rank] = landing.finish()
+        except ValueError as err:
             error = (
                 f"rank {rank} ({socket.gethostname()}) fetching its files from rank {source}: {err}"
             )

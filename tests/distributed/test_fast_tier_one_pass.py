@@ -137,6 +137,7 @@ def _replaced_node(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     before = _read_bytes()
     found = recover(root, NodeMap(((0,), (1,))), rank, 1, None, dist.group.WORLD, keep=True)
     read = _read_bytes() - before
+    assert found.settle(dist.group.WORLD) is None  # the fetched copy written (after the load)
     dist.barrier()
     return {
         "step": found.step,

@@ -1,0 +1,207 @@
+"""A copy fetched from a peer node is taken as it arrives: each file checked against its seal on
+arrival, written into the node's directory by a thread of its own (fsynced, the seal last),
+while the state is loaded from the bytes received; the write is joined after the load
+(:meth:`Recovery.settle`).
+
+Two gloo processes, two simulated nodes (a directory each): rank 0's node was replaced (its
+directory is empty), rank 1's node holds both ranks' files of fast steps 10 and 5.
+
+- the copy recovered is bit-identical to the holder's and, once settled, whole and sealed on
+  the receiving node (seal bytes equal too);
+- a byte altered in the holder's copy (on its disk, or on the way, after the holder checked
+  it) still rules the step out on every rank and falls back to step 5, leaving no seal on the
+  receiving node for step 10;
+- a write that fails on the receiving node (a file's path blocked) leaves no seal over the
+  files it has not written, and is told on every rank (with ``keep``, by ``settle``; without,
+  the step is ruled out as before);
+- the load does not wait for the write: the state file's write is held until the test has
+  loaded the state from the received bytes (an ordering, not a time).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_mcore_ckpt.fast import files
+from lightning_mcore_ckpt.fast.peers import NodeMap
+from lightning_mcore_ckpt.format import integrity
+from lightning_mcore_ckpt.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(300)
+
+SIZE = 4 << 20
+"""Bytes of each rank's state tensor."""
+NEWEST, OLDER = 10, 5
+
+
+def _write_step(root: Path, step: int, ranks: list[int], world: int) -> None:
+    directory = files.step_dir(root, step)
+    (directory / "extra").mkdir(parents=True, exist_ok=True)
+    for rank in ranks:
+        state, extra = files.files_of(rank)
+        payload = {"version": 1, "rank": rank, "w": torch.full((SIZE // 4,), step + rank * 0.5)}
+        torch.save(payload, directory / state)
+        torch.save({"rng": torch.arange(16) + step}, directory / extra)
+        sealed = {
+            n: ((directory / n).stat().st_size, integrity.hash_file(directory / n))
+            for n in (state, extra)
+        }
+        files.write_seal(directory, rank, world, sealed)
+    files.mark_complete(directory, {"step": step})
+
+
+def _copy(root: Path, step: int, rank: int) -> dict[str, bytes] | None:
+    """Rank ``rank``'s seal and files of ``step`` on a node, as bytes (``None``: no seal)."""
+    directory = files.step_dir(root, step)
+    if not (directory / files.seal_name(rank)).exists():
+        return None
+    names = [files.seal_name(rank), *files.files_of(rank)]
+    return {n: (directory / n).read_bytes() for n in names if (directory / n).exists()}
+
+
+def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str, Any]:
+    """Rank 0's node replaced; ``case`` says what else goes wrong (see the tests)."""
+    import torch.distributed as dist
+
+    from lightning_mcore_ckpt.fast import peers, recovery
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    group = dist.group.WORLD
+    root = Path(tmp) / f"node{rank}"
+    root.mkdir(parents=True, exist_ok=True)
+    if rank == 1:
+        _write_step(root, NEWEST, [0, 1], world_size)
+        _write_step(root, OLDER, [0, 1], world_size)
+        if case == "altered-on-disk":
+            path = files.step_dir(root, NEWEST) / files.files_of(0)[0]
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            path.write_bytes(bytes(data))
+        if case == "altered-on-the-way":  # after the holder checked it: the receiver must see
+            exchange = recovery.exchange
+
+            def altering(group: Any, outgoing: Any, incoming: Any, arrived: Any = None) -> Any:
+                for _, bundle in outgoing:
+                    state = bundle.contents[0]
+                    state[len(state) // 2] ^= 0x01
+                recovery.exchange = exchange  # the older step's copy goes unaltered
+                return exchange(group, outgoing, incoming, arrived)
+
+            recovery.exchange = altering  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    if rank == 0 and case.startswith("write-blocked"):
+        # ``extra`` is a file where the copy's ``extra/`` directory goes: the state file is
+        # written, the extra file cannot be.
+        files.step_dir(root, NEWEST).mkdir(parents=True)
+        (files.step_dir(root, NEWEST) / "extra").write_bytes(b"in the way")
+    loaded = threading.Event()
+    order: list[str] = []
+    if rank == 0 and case == "ordering":
+        write = peers._atomic.write_bytes
+
+        def held_until_loaded(path: Any, data: Any) -> None:
+            if Path(path).name == files.files_of(0)[0]:
+                # Bounded: where the load waited for this write, the order shows it.
+                order.append("load done" if loaded.wait(20) else "load not started")
+            write(path, data)
+            order.append(f"wrote {Path(path).name}")
+
+        peers._atomic.write_bytes = held_until_loaded  # type: ignore[assignment]
+    dist.barrier()
+    keep = not case.endswith("without-keep")
+    found = recovery.recover(root, NodeMap(((0,), (1,))), rank, 1, None, group, keep=keep)
+    seal_at_load = (files.step_dir(root, NEWEST) / files.seal_name(0)).exists()
+    if found.held is not None:  # the load, from the bytes received and checked
+        state = torch.load(io.BytesIO(bytes(found.held.named()[files.files_of(rank)[0]])))
+        out["loaded"] = float(state["w"][0])
+        order.append("loaded")
+        loaded.set()
+    out["settled"] = found.settle(group)
+    dist.barrier()
+    out.update(
+        step=found.step,
+        sources=found.sources,
+        skipped=found.skipped,
+        seal_at_load=seal_at_load,
+        order=order,
+        mine={s: _copy(root, s, rank) for s in (NEWEST, OLDER)},
+        sent={s: _copy(root, s, 1 - rank) for s in (NEWEST, OLDER)},
+        verified={s: files.verify(files.step_dir(root, s), rank) for s in (NEWEST, OLDER)},
+    )
+    return out
+
+
+def test_a_fetched_copy_is_bit_identical_and_sealed_on_the_receiving_node(tmp_path: Path) -> None:
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "whole")
+    assert zero["step"] == one["step"] == NEWEST
+    assert zero["sources"] == {0: 1, 1: 1}
+    assert zero["settled"] is None and one["settled"] is None
+    # Every byte, the seal's too, as on the holder's node; and it verifies against its seal.
+    assert zero["mine"][NEWEST] == one["sent"][NEWEST]
+    assert zero["verified"][NEWEST] is None
+    assert zero["loaded"] == NEWEST and one["loaded"] == NEWEST + 0.5
+
+
+@pytest.mark.parametrize("case", ["altered-on-disk", "altered-on-the-way"])
+def test_an_altered_byte_in_the_holders_copy_falls_back_on_every_rank(
+    case: str, tmp_path: Path
+) -> None:
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), case)
+    for got in (zero, one):
+        assert got["step"] == OLDER, got["skipped"]
+        assert len(got["skipped"]) == 1 and got["skipped"][0].startswith(f"fast step {NEWEST}: ")
+        assert got["settled"] is None
+    assert zero["skipped"] == one["skipped"]
+    why = "does not match its seal's digest" if case == "altered-on-disk" else "does not match"
+    assert why in zero["skipped"][0], zero["skipped"]
+    # The altered copy was never sealed on the receiving node; the older step's is whole.
+    assert zero["mine"][NEWEST] is None
+    assert zero["verified"][OLDER] is None and zero["mine"][OLDER] == one["sent"][OLDER]
+    assert zero["loaded"] == OLDER
+
+
+def test_a_write_that_fails_is_told_on_every_rank_and_leaves_no_seal(tmp_path: Path) -> None:
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "write-blocked")
+    # The state is loaded from the bytes that matched the seal; the write's failure is told by
+    # settle, the same on every rank, and the node holds no seal over the files not written.
+    assert zero["step"] == one["step"] == NEWEST
+    assert zero["loaded"] == NEWEST
+    assert zero["settled"] is not None and zero["settled"] == one["settled"]
+    assert "rank 0" in zero["settled"] and "fetched from rank 1" in zero["settled"]
+    assert zero["mine"][NEWEST] is None
+    assert zero["verified"][NEWEST] is not None
+
+
+def test_without_keep_a_write_that_fails_rules_the_step_out_as_before(tmp_path: Path) -> None:
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "write-blocked-without-keep")
+    for got in (zero, one):
+        assert got["step"] == OLDER and got["settled"] is None
+        assert got["skipped"] == zero["skipped"] and len(got["skipped"]) == 1
+    assert "rank 0" in zero["skipped"][0] and "fetched from rank 1" in zero["skipped"][0]
+    assert zero["mine"][NEWEST] is None
+    assert zero["verified"][OLDER] is None
+
+
+def test_the_state_is_loaded_before_the_fetched_copy_is_written(tmp_path: Path) -> None:
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "ordering")
+    assert zero["step"] == one["step"] == NEWEST
+    # The state file's write was held until the state was loaded from the bytes received: the
+    # recovery returned without waiting for it, and no seal was on the node at the load.
+    assert zero["seal_at_load"] is False
+    # (The small extra file, first in the seal, is written whenever it comes.)
+    assert [e for e in zero["order"] if e != "wrote rank_00000.pt"] == [
+        "loaded",
+        "load done",
+        f"wrote {files.files_of(0)[0]}",
+        f"wrote {files.seal_name(0)}",
+    ], zero["order"]
+    assert zero["order"][-1] == f"wrote {files.seal_name(0)}"
+    assert zero["settled"] is None and zero["verified"][NEWEST] is None
+    assert zero["mine"][NEWEST] == one["sent"][NEWEST]

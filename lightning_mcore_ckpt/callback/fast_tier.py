@@ -54,6 +54,8 @@ class FastTierRun:
         self.config = config
         self.writer = writer
         self.recovery: Recovery | None = None
+        self._fetched: Recovery | None = None
+        """The recovery whose copies fetched from peers may still be being written."""
         self._trainer = trainer
         self._persistent_last = persistent_last
         self._records = records
@@ -114,8 +116,9 @@ class FastTierRun:
         return step > 0 and step % self.config.every_n_train_steps == 0
 
     def save(self, trainer: pl.Trainer) -> None:
-        """A fast save of the current step (collective; the write goes on in the background)."""
-        self._settled()
+        """A fast save of the current step (collective; the write goes on in the background).
+        The first one settles the recovery's fetched copies first (:meth:`settle`)."""
+        self.settle()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state = trainer.strategy._training_state()  # type: ignore[attr-defined]
         self.writer.save(trainer.global_step, state, checkpoint)
@@ -169,7 +172,8 @@ class FastTierRun:
             dist.broadcast_object_list(box, 0)
             newest = box[0]
         writer = self.writer
-        self.recovery = found = recover(
+        self._settled()  # a recovery before (none in a run that loads once)
+        self.recovery = self._fetched = found = recover(
             writer.root,
             writer.nodes,
             state.rank,
@@ -200,12 +204,16 @@ class FastTierRun:
 
     def settle(self, *, together: bool = True) -> None:
         """Wait for this rank's copies fetched from a peer at the recovery to be written into
-        its node's directory (collective with ``together``, see :meth:`Recovery.settle`): the
-        strategy calls it once the state is loaded from their bytes (:meth:`take_held`), and
-        before anything of the fast tier may rely on them. A write that failed is logged (the
-        state loaded is the one that matched its seal; that node holds no copy of those files
-        until the next fast save)."""
-        found = self.recovery
+        its node's directory (collective with ``together``, see :meth:`Recovery.settle`).
+
+        Training does not wait for them: the state was loaded from the bytes received, checked
+        against their seals (:meth:`take_held`), and until the first fast save the step's
+        copies on the holders' nodes are where a failure would resume from (retention runs
+        at a fast save only). So the first fast save settles them, before it writes anything
+        (and :meth:`close`, for a run that ends before one). A write that failed is logged on
+        every rank (that node holds no copy of those files until that save writes the next
+        step)."""
+        found, self._fetched = self._fetched, None
         if found is None:
             return
         problem = found.settle(self.writer.group, together=together)
@@ -232,7 +240,6 @@ class FastTierRun:
 
     def log_recovery(self) -> None:
         """Log how the resume was served (rank 0, once training runs)."""
-        self._settled()
         found, self.recovery = self.recovery, None
         if found is not None:
             found.held = None  # not taken by the load: its memory goes now
@@ -250,10 +257,10 @@ class FastTierRun:
         )
 
     def _settled(self) -> None:
-        """The recovery's writes joined on this rank (they are, after a load through the
-        strategy: this is for a recovery whose load did not settle them)."""
-        if self.recovery is not None and self.recovery.writing:
-            self.recovery.settle(self.writer.group, together=False)
+        """The recovery's writes joined on this rank alone (no collective: for paths where
+        the ranks may not all be here)."""
+        if self._fetched is not None and self._fetched.writing:
+            self.settle(together=False)
 
     def close(self, wait: bool = True) -> None:
         self._settled()

@@ -17,7 +17,8 @@ Collective (every rank, at the load), in this order:
    into its node's directory in a thread of its own, the seal last (a replaced node is
    repopulated as it resumes). A copy that does not match its seal rules the step out on every
    rank, as in 3. With ``keep``, the write goes on while the state is loaded from the received
-   bytes: the caller joins it with :meth:`Recovery.settle` once the load is done (collective);
+   bytes (and training starts): the caller joins it with :meth:`Recovery.settle` before the
+   fast tier relies on the node's copy (collective; the callback: at the first fast save);
    without, it is joined here, and a failed write rules the step out;
 5. every node drops the fast steps newer than the one chosen (the future that was not kept).
 

@@ -773,18 +773,14 @@ class MegatronStrategy(ParallelStrategy):
             if tier == "fast":
                 held = getattr(source, "take_held", lambda: None)() or {}
                 checked = {checkpoint_path / name: data for name, data in held.items()}
-                settle = getattr(source, "settle", lambda **_: None)
-                try:
-                    loaded = self._load_rank_files(checkpoint_path, trusted=trusted, held=checked)
-                except BaseException:
-                    settle(together=False)  # joined here; the error is the load's
-                    raise
                 # A copy fetched from a peer was checked against its seal as it arrived and is
                 # loaded from those bytes while a thread writes it into this node's directory:
-                # joined here, once the state is loaded (nothing changed the bytes) and before
-                # Lightning restores it and trains (no fast save or retention runs before).
-                settle()
-                return loaded
+                # training does not wait for that write (the first fast save settles it).
+                try:
+                    return self._load_rank_files(checkpoint_path, trusted=trusted, held=checked)
+                except BaseException:
+                    getattr(source, "settle", lambda **_: None)(together=False)  # the load's error
+                    raise
         # Evaluation reads no optimizer bytes: damage there does not stop it.
         reading = None if fitting else ("model", "extra")
         path = self._reader.resolve(checkpoint_path, self.global_rank, reading)

@@ -21,6 +21,9 @@ altered; the other cells run with ``-m nodes_extended``):
   persistent tier, with the warning); a copy torn, or with a flipped byte (that copy is passed
   over: the peer's, or the persistent tier when it was the last one).
 
+A copy fetched from a peer is written into the node's directory while training goes on: the
+load does not wait for it (its state file's write is held until training has started).
+
 A failed copy (the peer's directory not writable) leaves the fast step uncounted, on every
 rank, and training goes on.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +77,16 @@ def _job(
     module = TinyGPTModule(optimizer="adamw")
     losses = record_losses(module)
     resumed: dict[str, Any] = {}
+    order = _hold_fetched_writes(ckpt_path is not None)
 
     class Kill(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             resumed["step"] = trainer.global_step
 
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if not order.started.is_set():  # the recovery's writers: started before training
+                order.writers = {t.ident for t in threading.enumerate() if t.name == FETCH}
+                order.started.set()
             if kill and trainer.global_step == KILLED_AT:
                 checkpoint._fast.report(wait=True)  # fast step KILLED_AT is complete
                 Path(shared, f"losses_{rank}.json").write_text(json.dumps(losses))
@@ -103,7 +111,44 @@ def _job(
         "weights": gathered_weights(trainer),
         "optim": gathered_optimizer(trainer),
         "resumed": resumed.get("step"),
+        "fetched_writes": list(order),
     }
+
+
+FETCH = "lmc-fast-fetch"
+"""The name of the thread that writes a copy received from a peer."""
+
+
+class _Order(list[str]):
+    started: threading.Event
+    writers: set[int | None]
+
+
+def _hold_fetched_writes(resuming: bool) -> _Order:
+    """In a resumed job: each write of a copy fetched from a peer into this node's directory
+    (its writer thread's) is noted, its state file's held until training has started (bounded):
+    training does not wait for them."""
+    from lightning_mcore_ckpt.fast import peers
+
+    order = _Order()
+    order.started, order.writers = threading.Event(), set()
+    if not resuming:
+        return order
+    write = peers._atomic.write_bytes
+
+    def held(path: Any, data: Any) -> None:
+        path, me = Path(path), threading.current_thread()
+        recovering = not order.started.is_set() or me.ident in order.writers
+        if me.name != FETCH or not recovering:  # not the recovery's (a fast save's copies)
+            return write(path, data)
+        if path.name.startswith("state_"):
+            order.append("training started" if order.started.wait(60) else "training waited")
+        write(path, data)
+        order.append(f"wrote {path.name}")
+        return None
+
+    peers._atomic.write_bytes = held  # type: ignore[assignment]
+    return order
 
 
 def _launch(
@@ -258,6 +303,19 @@ def test_resumes_exactly_from_what_survives(
         assert f"fast step {KILLED_AT}: " in skipped and "altered" in skipped, skipped
     if scenario == "torn":  # passed over for the peer's copy, which repaired the node
         assert files.verify(_fast_step(root, 1), 2) is None
+    # A copy fetched from a peer is loaded from the bytes received while it is written into
+    # the node's directory: training started before its state file was written (held until
+    # then), the seal was written last, and the copy is whole and sealed on the node after.
+    fetched = {
+        rank: got["fetched_writes"] for rank, got in enumerate(resumed) if got["fetched_writes"]
+    }
+    assert len(fetched) == from_peers, fetched
+    for rank, order in fetched.items():
+        state = f"wrote {files.files_of(rank)[0]}"
+        assert "training started" in order and state in order, (rank, order)
+        assert order.index("training started") < order.index(state), (rank, order)
+        assert order[-1] == f"wrote {files.seal_name(rank)}", (rank, order)
+        assert files.verify(_fast_step(root, rank // PER_NODE), rank) is None
 
 
 def test_a_failed_copy_leaves_the_step_uncounted_and_training_goes_on(

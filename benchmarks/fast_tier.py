@@ -25,6 +25,17 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
    - **fast tier, own copies**: every node's directory intact;
    - **fast tier, peer copies**: node 0's directory wiped (a replaced node): its rank fetches
      its files from node 1;
+   - **fast tier on /dev/shm, own copies** (where ``/dev/shm`` is there, writable, with
+     :data:`SHM_MARGIN` x the nodes' directories + :data:`SHM_SPARE` free; else not measured,
+     saying why): the own copies' launch (a process crash on the same hosts, what ``/dev/shm``
+     serves: every node's directory intact) with each node's directory on ``/dev/shm``
+     (:class:`ShmDir`: a fresh ``/dev/shm/lmc-bench-fast-tier-<pid>-<random>``, removed
+     afterwards, on failure too). A hard link cannot cross file systems: the snapshot's
+     nodes' directories are copied there before each launch and removed after it (a launch
+     may write to them), the snapshot unchanged; the launch's ``node_dir`` is that directory's
+     ``local``, the same path on every node, each node seeing its own there (``run_nodes``).
+     Nothing there is dropped from the page cache: a tmpfs's files are the page cache, the
+     read is from memory;
    - **persistent tier**: both nodes' directories wiped: no fast step newer than the
      persistent tier's last one; that step is loaded from the shared directory;
    - **persistent tier, shared dir throttled** (where the kernel lets it be set up: root, a
@@ -40,7 +51,7 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
      objects are dropped from the page cache; after it, what the launch added to the bucket
      (its lock, its ``fast_tier.jsonl``) is deleted.
 
-   Each fast-tier row is judged against each persistent stand-in (:func:`targets`): MET when
+   Each fast-tier row (``/dev/shm``'s too) is judged against each persistent stand-in (:func:`targets`): MET when
    its recovery + load is at most :data:`RECOVERY_TARGET` x the stand-in's.
 
    The time runs from just before ``run_nodes`` (``time.monotonic()``: one clock for every
@@ -55,13 +66,21 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
 4. **The fast tier against its own bounds** (:func:`bounds`): own copies, recovery + load at
    most :data:`BOUND_SLACK` x (bytes per rank / the medium's read speed) + the fixed costs;
    peer copies, at most :data:`BOUND_SLACK` x (bytes per rank / min(link, read speed)) + the
-   fixed costs. Both speeds are measured in the same run, in each round, interleaved with the
-   recovery launches (:func:`round_order`), and their medians used:
+   fixed costs; own copies on ``/dev/shm``, at most :data:`BOUND_SLACK` x (bytes per rank /
+   ``/dev/shm``'s read speed) + the fixed costs. A read speed is the medium's over
+   :data:`NODES`: the simulated nodes share one disk and one memory, and all read at once. The
+   speeds are measured in the same run, in each round, interleaved with the recovery launches
+   (:func:`round_order`: each right after the row it bounds, :data:`SPEED_AFTER`), and their
+   medians used:
 
    - **the medium's cold read speed** (:func:`read_cold`): the copies of fast step
      ``KILLED_AT`` that the rank serving the peer row reads (node 1's: its own rank's and its
      peer's), dropped from the page cache, read once with one thread per copy, as the
      recovery reads a rank's copies (``fast.recovery._check_all``), not hashed;
+   - **``/dev/shm``'s read speed** (:func:`read_shm`, where its row is launched): the same
+     method as the cold read, on the copies that row's ranks read (each node's own copy of
+     fast step ``KILLED_AT``, copied onto ``/dev/shm`` first), one thread per copy, not hashed,
+     nothing dropped (tmpfs: from memory);
    - **the link between the simulated nodes** (:func:`link_speed`): gloo on loopback, a
      ``uint8`` tensor the size of one rank's copy sent from node 1 to node 0 (the peer row's
      direction) by a job of its own on :data:`NODES` simulated nodes, :data:`LINK_TRANSFERS`
@@ -119,6 +138,15 @@ shared file system or of its network link: 100 MiB/s is a 1 Gbit/s link)."""
 S3_ROW = "persistent tier, S3 on loopback"
 """The persistent tier an ``s3://`` ``dirpath`` on an S3 server on loopback (:class:`S3Stand`),
 when boto3 and moto are installed."""
+SHM_ROW = "fast tier on /dev/shm, own copies"
+"""The own-copies row with each simulated node's fast-tier directory on ``/dev/shm`` (a
+tmpfs: :class:`ShmDir`), when it is there and has room."""
+SHM = Path("/dev/shm")
+SHM_MARGIN = 2
+"""``/dev/shm`` must have this x the bytes a launch places there free (the copy, and as much
+again for what a launch writes and for the ranks' memory, which a tmpfs shares), plus
+:data:`SHM_SPARE`."""
+SHM_SPARE = 256 * 2**20
 RECOVERY_TARGET = 0.5
 """The target: the fast tier's recovery + load at most this share of a persistent tier's."""
 PHASES = ("rank started", "model set up", "state loaded", "first step starts")
@@ -131,6 +159,10 @@ MEDIUM = "cold read of the fast-tier copies"
 """A round's measurement of the medium's read speed (:func:`read_cold`)."""
 LINK = "link between the simulated nodes"
 """A round's measurement of the link's speed (:func:`link_speed`)."""
+SHM_MEDIUM = "read of the fast-tier copies on /dev/shm"
+"""A round's measurement of ``/dev/shm``'s read speed (:func:`read_shm`)."""
+SPEED_AFTER = {ROWS[0]: MEDIUM, ROWS[1]: LINK, SHM_ROW: SHM_MEDIUM}
+"""Each speed measured right after the row it bounds, in :func:`round_order`."""
 LINK_TRANSFERS = 3
 """Timed transfers of a rank's copy over the link per measurement (after one to warm it)."""
 BYTE_PARTS = ("check the copies", "fetch, in all")
@@ -405,13 +437,19 @@ def link_job(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
 
 
 def _launch(
-    root: Path, cfg: dict[str, Any], timeout: float, env: dict[str, str] | None = None
+    root: Path,
+    cfg: dict[str, Any],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    node_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The job on :data:`NODES` simulated nodes under ``root`` (``env`` added to every rank's
-    environment); each rank's marks."""
+    environment; ``node_dir``: the nodes' own directory, by default ``<root>/local``: the same
+    path for every node, each node seeing its own there); each rank's marks."""
     from lightning_mcore_ckpt.testing import run_nodes
 
-    shared, node_dir = root / "shared", root / "local"
+    shared = root / "shared"
+    node_dir = root / "local" if node_dir is None else node_dir
     shared.mkdir(parents=True, exist_ok=True)
     for old in shared.glob("marks_*.json"):
         old.unlink()
@@ -454,6 +492,14 @@ def _copy(snapshot: Path, target: Path) -> None:
             shutil.copy2(src, dst)
 
     shutil.copytree(snapshot, target, copy_function=link_or_copy, symlinks=True)
+
+
+def node_storage_root(node_dir: Path) -> Path:
+    """The directory holding every simulated node's own directory for ``node_dir``
+    (``<node_dir>.nodes``: ``launch.namespaces.node_storage``'s parent)."""
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    return node_storage(node_dir, 0).parent
 
 
 def _wipe(root: Path, node: int) -> None:
@@ -534,9 +580,16 @@ def prepare(scratch: Path, size: str, timeout: float) -> dict[str, Any]:
     }
 
 
-def rows_measured(throttled: bool, s3: bool) -> list[str]:
-    """The recovery rows of a run: :data:`ROWS`, then each stand-in that could be set up."""
-    return [*ROWS, *([THROTTLED] if throttled else []), *([S3_ROW] if s3 else [])]
+def rows_measured(throttled: bool, s3: bool, shm: bool = False) -> list[str]:
+    """The recovery rows of a run: the fast tier's (:data:`SHM_ROW` where ``/dev/shm`` could
+    be set up), the persistent tier, then each stand-in that could be set up."""
+    return [
+        *ROWS[:2],
+        *([SHM_ROW] if shm else []),
+        ROWS[2],
+        *([THROTTLED] if throttled else []),
+        *([S3_ROW] if s3 else []),
+    ]
 
 
 def recover_once(
@@ -546,6 +599,7 @@ def recover_once(
     timeout: float,
     throttled: ThrottledDir | None = None,
     s3: S3Stand | None = None,
+    shm: ShmDir | None = None,
 ) -> dict[str, Any]:
     """One launch of ``row`` from a fresh copy of the snapshot (see the module, item 2)."""
     from benchmarks import workloads
@@ -553,7 +607,12 @@ def recover_once(
     run = scratch / "run"
     shutil.rmtree(run, ignore_errors=True)
     _copy(scratch / "snapshot", run)
-    if row != ROWS[0]:
+    node_dir = None
+    if row == SHM_ROW:  # the nodes' directories copied onto /dev/shm; the disk's copy unused
+        assert shm is not None
+        shutil.rmtree(node_storage_root(run / "local"))
+        node_dir = shm.place(scratch / "snapshot")
+    elif row != ROWS[0]:
         _wipe(run, 0)
     if row in (ROWS[2], THROTTLED, S3_ROW):
         _wipe(run, 1)
@@ -576,7 +635,12 @@ def recover_once(
     if s3 is not None:
         server_dropped = s3.drop_cache()
         server_cpu = s3.cpu_s()
-    ranks = _launch(run, cfg, timeout, env=env)
+    try:
+        ranks = _launch(run, cfg, timeout, env=env, node_dir=node_dir)
+    finally:
+        if row == SHM_ROW:
+            assert shm is not None
+            shm.clear()
     if row == S3_ROW:
         assert s3 is not None and server_cpu is not None
         server_cpu = s3.cpu_s() - server_cpu
@@ -604,6 +668,14 @@ def recover_once(
     }
 
 
+def _copy_paths(step: Path, owner: int) -> list[Path]:
+    """Rank ``owner``'s copy in the fast step ``step``: its seal and files, as the recovery
+    reads them."""
+    from lightning_mcore_ckpt.fast import files
+
+    return [step / files.seal_name(owner), *(step / name for name in files.files_of(owner))]
+
+
 def fast_copies(snapshot: Path) -> tuple[Path, dict[int, list[Path]]] | str:
     """The copies of fast step :data:`KILLED_AT` in ``snapshot`` that the rank serving the peer
     row reads (the last node's: its own rank's and the copies it holds for its peers), by owner
@@ -615,9 +687,23 @@ def fast_copies(snapshot: Path) -> tuple[Path, dict[int, list[Path]]] | str:
     owners = [r for r in range(NODES * PER_NODE) if files.present(step, r)]
     if not owners:
         return f"no sealed fast-tier copy of step {KILLED_AT} in {step}"
-    return step, {
-        o: [step / files.seal_name(o), *(step / name for name in files.files_of(o))] for o in owners
-    }
+    return step, {o: _copy_paths(step, o) for o in owners}
+
+
+def own_copies(node_dir: Path) -> dict[int, list[Path]] | str:
+    """The copies of fast step :data:`KILLED_AT` that the ranks of the own-copies rows read,
+    each in its own node's directory under ``node_dir`` (:func:`node_storage_root`), by rank;
+    or why one is missing."""
+    from lightning_mcore_ckpt.fast import files
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    out: dict[int, list[Path]] = {}
+    for rank in range(NODES * PER_NODE):
+        step = files.step_dir(node_storage(node_dir, rank // PER_NODE) / "fast", KILLED_AT)
+        if not files.present(step, rank):
+            return f"no sealed fast-tier copy of rank {rank}'s step {KILLED_AT} in {step}"
+        out[rank] = _copy_paths(step, rank)
+    return out
 
 
 def _read_all(paths: list[Path]) -> int:
@@ -637,8 +723,6 @@ def read_cold(scratch: Path) -> dict[str, Any]:
     :func:`fast_copies` synced, dropped from the page cache, then read with one thread per copy
     (the recovery's ``_check_all``), not hashed. Bytes, streams, seconds, GB/s and the largest
     copy's bytes (``bytes_per_rank``); or ``{"why": ...}``."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from benchmarks import workloads
 
     try:
@@ -646,15 +730,40 @@ def read_cold(scratch: Path) -> dict[str, Any]:
         if isinstance(found, str):
             return {"why": found}
         step, copies = found
-        per_copy = {o: sum(p.stat().st_size for p in paths) for o, paths in copies.items()}
         os.sync()  # a dirty page is not dropped
         workloads.drop_cache(step)
-        with ThreadPoolExecutor(len(copies), thread_name_prefix="bench-cold-read") as pool:
-            started = time.perf_counter()
-            read = sum(pool.map(_read_all, copies.values()))
-            seconds = time.perf_counter() - started
+        return _read_copies(copies)
     except Exception as err:  # noqa: BLE001 - reported as the figure's why
         return {"why": f"the copies could not be read: {err}"}
+
+
+def read_shm(scratch: Path, shm: ShmDir) -> dict[str, Any]:
+    """``/dev/shm``'s read speed (see the module, item 4): the snapshot's nodes' directories
+    placed on ``/dev/shm`` (:meth:`ShmDir.place`), then the copies the ranks of
+    :data:`SHM_ROW` read (:func:`own_copies`: each node's own rank's) read at once, one thread
+    per copy, not hashed; nothing dropped from the page cache (a tmpfs's files are the page
+    cache: the read is from memory). Figures as :func:`read_cold`'s; or ``{"why": ...}``."""
+    try:
+        copies = own_copies(shm.place(scratch / "snapshot"))
+        if isinstance(copies, str):
+            return {"why": copies}
+        return _read_copies(copies)
+    except Exception as err:  # noqa: BLE001 - reported as the figure's why
+        return {"why": f"the copies on {shm.root} could not be read: {err}"}
+    finally:
+        shm.clear()
+
+
+def _read_copies(copies: dict[int, list[Path]]) -> dict[str, Any]:
+    """``copies`` (by owner: paths) read once each, at once, one thread per copy; the figures
+    of :func:`read_cold`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_copy = {o: sum(p.stat().st_size for p in paths) for o, paths in copies.items()}
+    with ThreadPoolExecutor(len(copies), thread_name_prefix="bench-read") as pool:
+        started = time.perf_counter()
+        read = sum(pool.map(_read_all, copies.values()))
+        seconds = time.perf_counter() - started
     if read != sum(per_copy.values()) or seconds <= 0:
         return {"why": f"read {read} bytes of {sum(per_copy.values())} in {seconds:.3f} s"}
     return {
@@ -699,9 +808,10 @@ def link_speed(scratch: Path, timeout: float) -> dict[str, Any]:
 
 
 def round_order(rows: list[str], r: int) -> list[str]:
-    """Round ``r``'s order (from 1): the recovery rows, the medium's read after the first and
-    the link after the second (:data:`MEDIUM`, :data:`LINK`), reversed every other round."""
-    order = [rows[0], MEDIUM, *rows[1:2], LINK, *rows[2:]]
+    """Round ``r``'s order (from 1): the recovery rows, each speed measured right after the row
+    it bounds (:data:`SPEED_AFTER`: the medium's read after the own copies, the link after the
+    peer copies, ``/dev/shm``'s read after :data:`SHM_ROW`), reversed every other round."""
+    order = [item for row in rows for item in (row, SPEED_AFTER.get(row)) if item is not None]
     return order if r % 2 else order[::-1]
 
 
@@ -721,7 +831,11 @@ def measure(
     timeout: float,
     throttled: ThrottledDir | None = None,
     s3: S3Stand | None = None,
+    shm_root: Path | None = None,
 ) -> dict[str, Any]:
+    """The training run, then ``repeats`` rounds of the recovery rows and the speeds (see the
+    module). ``shm_root``: where :data:`SHM_ROW`'s nodes' directories go (``/dev/shm``;
+    ``None``: the row is not asked for)."""
     print(f"== fast tier, state {size}: the training run", flush=True)
     started = time.perf_counter()
     saves = prepare(scratch, size, timeout)
@@ -734,39 +848,32 @@ def measure(
             f"{published['upload_bytes'] / MiB:.0f} MiB in {published['upload_time_s']:.2f} s",
             flush=True,
         )
-    rows = rows_measured(throttled is not None, s3 is not None)
-    launches: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
-    reads: list[dict[str, Any]] = []
-    links: list[dict[str, Any]] = []
-    for r in range(1, repeats + 1):
-        for row in round_order(rows, r):
-            if row in (MEDIUM, LINK):  # the speeds of the fast tier's own bounds (item 4)
-                figure = read_cold(scratch) if row == MEDIUM else link_speed(scratch, timeout)
-                (reads if row == MEDIUM else links).append(figure)
-                print(f"round {r}, {row}: {_speed_line(figure)}", flush=True)
-                continue
-            got = recover_once(scratch, row, size, timeout, throttled, s3)
-            launches[row].append(got)
-            rec = got["recovery"] or {}
-            print(
-                f"round {r}, {row}: first step at {got['phases']['first step starts']:.2f} s, "
-                f"step {got['resumed_step']} from the {rec.get('tier')} tier "
-                f"({rec.get('ranks_from_peers')} rank(s) from peers), recovery "
-                f"{rec.get('time_s', float('nan')):.2f} s"
-                + (
-                    f", {got['throttled_read_bytes'] / MiB:.0f} MiB read through the throttle"
-                    if got.get("throttled_read_bytes") is not None
-                    else ""
-                )
-                + (
-                    f", S3 server CPU {got['server_cpu_s']:.2f} s, "
-                    f"{got['server_dropped_bytes'] / MiB:.0f} MiB of its files dropped from the "
-                    "page cache first"
-                    if got.get("server_cpu_s") is not None
-                    else ""
-                ),
-                flush=True,
-            )
+    shm, shm_why = (None, "not asked") if shm_root is None else ShmDir.open(scratch, shm_root)
+    if shm is None:
+        print(f"   {SHM_ROW}: not measured: {shm_why}", flush=True)
+    try:
+        rows = rows_measured(throttled is not None, s3 is not None, shm is not None)
+        launches: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+        speeds: dict[str, list[dict[str, Any]]] = {MEDIUM: [], LINK: [], SHM_MEDIUM: []}
+        for r in range(1, repeats + 1):
+            for row in round_order(rows, r):
+                if row in speeds:  # the speeds of the fast tier's own bounds (item 4)
+                    if row == MEDIUM:
+                        figure = read_cold(scratch)
+                    elif row == LINK:
+                        figure = link_speed(scratch, timeout)
+                    else:
+                        assert shm is not None
+                        figure = read_shm(scratch, shm)
+                    speeds[row].append(figure)
+                    print(f"round {r}, {row}: {_speed_line(figure)}", flush=True)
+                    continue
+                got = recover_once(scratch, row, size, timeout, throttled, s3, shm)
+                launches[row].append(got)
+                _print_launch(r, row, got)
+    finally:
+        if shm is not None:
+            shm.close()
     return {
         "size": size,
         "saves": saves,
@@ -774,9 +881,124 @@ def measure(
         "throttle": throttled.describe() if throttled is not None else None,
         "s3": s3.describe() if s3 is not None else None,
         "s3_published": published,
-        "medium_reads": reads,
-        "link_transfers": links,
+        "shm": shm.describe() if shm is not None else None,
+        "shm_why": shm_why or None,
+        "medium_reads": speeds[MEDIUM],
+        "link_transfers": speeds[LINK],
+        "shm_reads": speeds[SHM_MEDIUM],
     }
+
+
+def _print_launch(r: int, row: str, got: dict[str, Any]) -> None:
+    """A launch's line in the log."""
+    rec = got["recovery"] or {}
+    print(
+        f"round {r}, {row}: first step at {got['phases']['first step starts']:.2f} s, "
+        f"step {got['resumed_step']} from the {rec.get('tier')} tier "
+        f"({rec.get('ranks_from_peers')} rank(s) from peers), recovery "
+        f"{rec.get('time_s', float('nan')):.2f} s"
+        + (
+            f", {got['throttled_read_bytes'] / MiB:.0f} MiB read through the throttle"
+            if got.get("throttled_read_bytes") is not None
+            else ""
+        )
+        + (
+            f", S3 server CPU {got['server_cpu_s']:.2f} s, "
+            f"{got['server_dropped_bytes'] / MiB:.0f} MiB of its files dropped from the "
+            "page cache first"
+            if got.get("server_cpu_s") is not None
+            else ""
+        ),
+        flush=True,
+    )
+
+
+class ShmDir:
+    """Each simulated node's fast-tier directory on ``/dev/shm`` (a tmpfs: files in memory,
+    kept while the host runs; the medium of a process crash's recovery): a fresh
+    ``<root>/lmc-bench-fast-tier-<pid>-<random>`` made by :meth:`open`, under it the launch's
+    ``node_dir`` (``local``) and every node's own directory (``local.nodes/node<i>``, as
+    ``run_nodes`` lays them out: the same path on every node, each node seeing its own there).
+    A hard link cannot cross file systems: before each launch (and each read of
+    :func:`read_shm`) :meth:`place` copies the snapshot's nodes' directories there afresh, and
+    :meth:`clear` removes them after it, so the snapshot is never changed and every launch
+    finds what the killed job left. :meth:`close` removes the directory, on failure too.
+
+    :meth:`open` returns ``None`` and why where ``root`` is absent, not writable, or without
+    :data:`SHM_MARGIN` x the bytes placed + :data:`SHM_SPARE` free."""
+
+    def __init__(self, root: Path, base: Path, needed: int) -> None:
+        self.root, self.base, self.needed = root, base, needed
+
+    @classmethod
+    def open(cls, scratch: Path, root: Path = SHM) -> tuple[ShmDir | None, str]:
+        """Set it up under ``root`` for the snapshot in ``scratch`` (its nodes' directories:
+        what each launch places there)."""
+        import tempfile
+
+        from benchmarks import workloads
+
+        source = node_storage_root(scratch / "snapshot" / "local")
+        if not root.is_dir():
+            return None, f"{root} is absent"
+        if not os.access(root, os.W_OK | os.X_OK):
+            return None, f"{root} is not writable"
+        needed = workloads.tree_bytes(source) if source.is_dir() else 0
+        wanted = SHM_MARGIN * needed + SHM_SPARE
+        free = shutil.disk_usage(root).free
+        if free < wanted:
+            return None, (
+                f"{root} has {free / MiB:.0f} MiB free, {wanted / MiB:.0f} MiB needed "
+                f"({SHM_MARGIN} x the nodes' directories, {needed / MiB:.0f} MiB, + "
+                f"{SHM_SPARE / MiB:.0f} MiB)"
+            )
+        try:
+            base = Path(tempfile.mkdtemp(prefix=f"lmc-bench-fast-tier-{os.getpid()}-", dir=root))
+        except OSError as err:
+            return None, f"no directory can be made in {root}: {err}"
+        return cls(root, base, needed), ""
+
+    @property
+    def node_dir(self) -> Path:
+        """The launch's ``node_dir``: the same path on every node."""
+        return self.base / "local"
+
+    def place(self, snapshot: Path) -> Path:
+        """``snapshot``'s nodes' directories copied under :attr:`node_dir` (any earlier copy
+        removed first); :attr:`node_dir`."""
+        self.clear()
+        shutil.copytree(
+            node_storage_root(snapshot / "local"), node_storage_root(self.node_dir), symlinks=True
+        )
+        return self.node_dir
+
+    def clear(self) -> None:
+        """The nodes' directories and ``node_dir`` removed (the base stays)."""
+        shutil.rmtree(node_storage_root(self.node_dir), ignore_errors=True)
+        shutil.rmtree(self.node_dir, ignore_errors=True)
+
+    def describe(self) -> str:
+        return (
+            f"each node's directory under `{self.root}` ({_fs_type(self.root)}: read from memory, "
+            "so nothing is dropped from the page cache before its launches), copied there from "
+            f"the snapshot before each launch ({self.needed / MiB:.0f} MiB, both nodes), removed "
+            "after it"
+        )
+
+    def close(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the file system mounted at ``path`` (``/proc/mounts``), or ``"?"``."""
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[1] == str(path):
+                return fields[2]
+    except OSError:
+        pass
+    return "?"
 
 
 class ThrottledDir:
@@ -1123,23 +1345,39 @@ def speed(runs: list[dict[str, Any]] | None, what: str) -> dict[str, Any]:
 
 
 def bounds(
-    rows: dict[str, dict[str, Any]], read: dict[str, Any], link: dict[str, Any]
+    rows: dict[str, dict[str, Any]],
+    read: dict[str, Any],
+    link: dict[str, Any],
+    shm: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The fast tier against its own bounds (see the module, item 4), by fast-tier row: own
     copies at :data:`BOUND_SLACK` x (bytes per rank / a node's share of ``read``) + fixed costs,
     peer copies at :data:`BOUND_SLACK` x (bytes per rank / min(``link``, that share)) + fixed
-    costs (:func:`speed`'s figures; the :data:`NODES` simulated nodes share one disk); each with its figures, its verdict (:func:`judge_bound`) and, where a figure is
-    missing, ``why`` (``not measured: ...``)."""
-    per_rank = read.get("bytes_per_rank") or link.get("bytes")
-    # The simulated nodes share one disk (a cluster's nodes each have their own): a node's
-    # share of the medium is its read speed over the nodes, as both read at once.
-    share = dict(read, gbps=None if read.get("gbps") is None else read["gbps"] / NODES)
+    costs, own copies on ``/dev/shm`` (:data:`SHM_ROW`) at :data:`BOUND_SLACK` x (bytes per
+    rank / a node's share of ``shm``, ``/dev/shm``'s read speed) + fixed costs (:func:`speed`'s
+    figures; the :data:`NODES` simulated nodes share one disk and one memory); each with its
+    figures, its verdict (:func:`judge_bound`) and, where a figure is missing, ``why`` (``not
+    measured: ...``)."""
+    if shm is None:
+        shm = {"gbps": None, "n": 0, "why": "/dev/shm's read speed: not measured in this run"}
+    per_rank = read.get("bytes_per_rank") or shm.get("bytes_per_rank") or link.get("bytes")
+
+    # The simulated nodes share one disk and one memory (a cluster's nodes each have their
+    # own): a node's share of a medium is its read speed over the nodes, as all read at once.
+    def share(got: dict[str, Any]) -> dict[str, Any]:
+        return dict(got, gbps=None if got.get("gbps") is None else got["gbps"] / NODES)
+
+    each = f"/ {NODES} nodes"
+    specs = (
+        (ROWS[0], [share(read)], f"read {each}", per_rank),
+        (ROWS[1], [share(read), link], f"min(link, read {each})", per_rank),
+        (SHM_ROW, [share(shm)], f"/dev/shm read {each}", shm.get("bytes_per_rank") or per_rank),
+    )
     out: dict[str, dict[str, Any]] = {}
-    for row, peer in ((ROWS[0], False), (ROWS[1], True)):
-        speeds = [share, link] if peer else [share]
+    for row, speeds, label, row_bytes in specs:
         got: dict[str, Any] = {
-            "speed": f"min(link, read / {NODES} nodes)" if peer else f"read / {NODES} nodes",
-            "bytes_per_rank": per_rank,
+            "speed": label,
+            "bytes_per_rank": row_bytes,
             "speed_gbps": None,
             "transfer_s": None,
             "fixed": {},
@@ -1160,9 +1398,9 @@ def bounds(
                 measured_s=rows[row]["load_s"],
                 bytes_s=moving,
             )
-        if not missing and per_rank:
+        if not missing and row_bytes:
             got["speed_gbps"] = min(g["gbps"] for g in speeds)
-            got["transfer_s"] = bound_s(per_rank, got["speed_gbps"], 0.0)
+            got["transfer_s"] = bound_s(row_bytes, got["speed_gbps"], 0.0)
             got["bound_s"] = got["transfer_s"] + got["fixed_s"]
         elif not missing:
             missing.append("the bytes per rank are not known")
@@ -1278,7 +1516,11 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     out["rows"] = rows
     read = speed(result.get("medium_reads"), "the medium's read speed")
     link = speed(result.get("link_transfers"), "the link")
-    out["bounds"] = {"read": read, "link": link, "rows": bounds(rows, read, link)}
+    shm_runs = result.get("shm_reads") or (
+        [{"why": result["shm_why"]}] if result.get("shm_why") else None
+    )
+    shm = speed(shm_runs, "/dev/shm's read speed")
+    out["bounds"] = {"read": read, "link": link, "shm": shm, "rows": bounds(rows, read, link, shm)}
     return out
 
 
@@ -1317,6 +1559,7 @@ def bounds_table(figures: dict[str, Any]) -> list[str]:
     """The report's section "The fast tier against its own bounds" (:func:`bounds`'s figures,
     as :func:`summarise` stores them)."""
     read, link, rows = figures["read"], figures["link"], figures["rows"]
+    shm = figures.get("shm") or {"gbps": None, "why": "not measured in this run"}
 
     def measured(got: dict[str, Any], what: str) -> str:
         if got.get("gbps") is None:
@@ -1332,9 +1575,11 @@ def bounds_table(figures: dict[str, Any]) -> list[str]:
         "",
         f"Targets: own copies, recovery + load at most {BOUND_SLACK} x (bytes per rank / the "
         f"medium's read speed) + the fixed costs; peer copies, at most {BOUND_SLACK} x (bytes "
-        "per rank / min(link, read speed)) + the fixed costs; the speeds measured in this run, "
-        "once a round, interleaved with the launches above. The simulated nodes share one "
-        f"disk, which both read at once: a node's read speed is the disk's over {NODES}.",
+        "per rank / min(link, read speed)) + the fixed costs; own copies on `/dev/shm`, at "
+        f"most {BOUND_SLACK} x (bytes per rank / `/dev/shm`'s read speed) + the fixed costs; "
+        "the speeds measured in this run, once a round, interleaved with the launches above. "
+        f"The simulated nodes share one disk and one memory, which all read at once: a node's "
+        f"read speed is the medium's over {NODES}.",
         "",
         "| fast tier | bytes per rank, MiB | speed, GB/s | "
         f"{BOUND_SLACK} x bytes / speed, s | fixed costs, s | bound, s | recovery + load, s "
@@ -1368,6 +1613,17 @@ def bounds_table(figures: dict[str, Any]) -> list[str]:
             if link.get("gbps") is not None
             else ""
         )
+        + ". `/dev/shm`: "
+        + measured(shm, "its read speed")
+        + (
+            f", reading each node's own copy of fast step {KILLED_AT} (what the ranks of "
+            f"`{SHM_ROW}` read; {shm['streams']} copies, one thread each; "
+            f"{shm['bytes'] / MiB:.0f} MiB, not hashed), copied onto `/dev/shm` from the "
+            "snapshot first; nothing dropped from the page cache: a tmpfs's files are the page "
+            "cache, the read is from memory"
+            if shm.get("gbps") is not None
+            else ""
+        )
         + "."
         + (
             f" Bytes per rank: one rank's copy (seal, state and `extra/` file), "
@@ -1398,7 +1654,9 @@ def bounds_table(figures: dict[str, Any]) -> list[str]:
         f"The simulated nodes share one disk: in the own copies' launches the {NODES} ranks "
         f"read their copies at once ({NODES} streams, {NODES} copies' bytes on it), as the read "
         "measured here does; on machines of their own each disk would serve one. The nodes' "
-        "directories are on that disk: a fast tier in `/dev/shm` is not measured by this run.",
+        f"directories are on that disk, but for `{SHM_ROW}`'s: those are on `/dev/shm`, in the "
+        "memory the ranks share (a process crash's recovery on the same hosts: every node's "
+        "directory intact).",
     ]
     return lines
 
@@ -1484,7 +1742,13 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
             else f"`{THROTTLED}`: not measured ({result.get('throttle_why') or 'not asked'})."
         )
         + " "
-        + _s3_stand_in(result, rows),
+        + _s3_stand_in(result, rows)
+        + " "
+        + (
+            f"`{SHM_ROW}`: the own copies' launch with {result['shm']}."
+            if result.get("shm")
+            else f"`{SHM_ROW}`: not measured ({result.get('shm_why') or 'not asked'})."
+        ),
         "",
         *bounds_table(summary["bounds"]),
         "",
@@ -1579,7 +1843,9 @@ def run(args: argparse.Namespace) -> int:
     if throttled is None:
         print(f"   {THROTTLED}: not measured: {why}", flush=True)
     try:
-        result = measure(scratch, size, repeats, 600 if args.quick else 3600, throttled, s3)
+        result = measure(
+            scratch, size, repeats, 600 if args.quick else 3600, throttled, s3, shm_root=SHM
+        )
         result["throttle_why"] = why or None
         result["s3_why"] = s3_why or None
     finally:
@@ -1590,7 +1856,8 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     machine = machine_line(
         f"Python {platform.python_version()}; every node's directory and the shared one on "
-        f"`{args.dir}`'s disk; gloo on loopback; {time.perf_counter() - started:.0f} s in all."
+        f"`{args.dir}`'s disk (the nodes' directories of `{SHM_ROW}` on `{SHM}`); gloo on "
+        f"loopback; {time.perf_counter() - started:.0f} s in all."
     )
     command = "python -m benchmarks --only-fast-tier " + (
         "--quick" if args.quick else f"--sizes {size} --repeats {repeats}"

@@ -276,7 +276,13 @@ def test_the_s3_row_is_launched_each_round_from_the_step_the_job_left_in_the_buc
     calls: list[tuple[str, Any]] = []
 
     def recover_once(
-        scratch: Path, row: str, size: str, timeout: float, throttled: Any, s3: Any
+        scratch: Path,
+        row: str,
+        size: str,
+        timeout: float,
+        throttled: Any,
+        s3: Any,
+        shm: Any = None,
     ) -> dict[str, Any]:
         calls.append((row, s3))
         tier = "fast" if row.startswith("fast") else "persistent"
@@ -582,3 +588,306 @@ def test_the_cold_read_reads_every_copy_the_serving_node_holds(
     assert got["bytes"] == sum(copies.values())
     assert got["bytes_per_rank"] == copies[0]
     assert got["gbps"] == pytest.approx(got["bytes"] / got["seconds"] / 1e9)
+
+
+# --- the fast tier on /dev/shm -----------------------------------------------------------------
+
+
+def _with_shm(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with :data:`fast_tier.SHM_ROW` launched (recovery + load 0.8 s each, 0.1 s of
+    it checking) and ``/dev/shm`` read in 3 rounds at 8, 2 and 4 GB/s."""
+    result["launches"][fast_tier.SHM_ROW] = [
+        {
+            **_launch(3.0, 2.0, 2.8, "fast", 0),
+            "parts": {"check the copies": 0.1, "inventory": 0.05},
+        }
+        for _ in range(2)
+    ]
+    result["shm"] = "each node's directory under `/dev/shm` (tmpfs: read from memory)"
+    result["shm_reads"] = [
+        {"bytes": 10**9, "streams": 2, "seconds": 1.0, "gbps": g, "bytes_per_rank": 500_000_000}
+        for g in (8.0, 2.0, 4.0)
+    ]
+    return result
+
+
+def test_the_dev_shm_row_is_bound_by_dev_shms_read_speed_not_the_disks() -> None:
+    own, _, _ = fast_tier.ROWS
+    rows = {**_fast_rows(), fast_tier.SHM_ROW: {"load_s": 0.5, "parts": {"inventory": 0.1}}}
+    read, link = _speeds(0.5, 1.0)  # the disk: 0.5 GB/s, 0.25 a node
+    shm = {"gbps": 8.0, "n": 3, "bytes": 10**9, "streams": 2, "bytes_per_rank": 5 * 10**8}
+    got = fast_tier.bounds(rows, read, link, shm)[fast_tier.SHM_ROW]
+    # A node's share of /dev/shm's 8 GB/s: 4 GB/s; 1.2 x 0.5 GB / 4 GB/s = 0.15 s, + 0.1
+    # inventory + 0.4 other: 0.65 s, against 0.5 s measured: MET. With the disk's 0.25 GB/s a
+    # node the bound would be 2.4 + 0.5 s.
+    assert got["speed"] == "/dev/shm read / 2 nodes" and got["speed_gbps"] == 4.0
+    assert got["transfer_s"] == pytest.approx(0.15)
+    assert got["fixed"] == {"inventory": 0.1, fast_tier.OTHER: pytest.approx(0.4)}
+    assert got["bound_s"] == pytest.approx(0.65)
+    assert got["verdict"] == "MET" and got["why"] is None
+    # The disk's own-copies bound is unchanged by it.
+    assert fast_tier.bounds(rows, read, link, shm)[own] == fast_tier.bounds(rows, read, link)[own]
+    # Slower memory (1 GB/s, 0.5 a node): 1.2 + 0.5 = 1.7 s; a measured 2 s is MISSED.
+    slow = fast_tier.bounds(
+        {fast_tier.SHM_ROW: {"load_s": 2.0, "parts": {}}}, read, link, {**shm, "gbps": 1.0}
+    )[fast_tier.SHM_ROW]
+    assert slow["bound_s"] == pytest.approx(1.2 + 2.0) and slow["verdict"] == "MET"
+    slow = fast_tier.bounds(
+        {fast_tier.SHM_ROW: {"load_s": 2.0, "parts": {"check the copies": 1.9}}},
+        read,
+        link,
+        {**shm, "gbps": 2.0},
+    )[fast_tier.SHM_ROW]
+    # 1.2 x 0.5 / 1 = 0.6 s + 0.1 other: 0.7 s < 2.0 s measured.
+    assert slow["bound_s"] == pytest.approx(0.7) and slow["verdict"] == "MISSED"
+
+
+def test_the_dev_shm_bound_not_measured_is_missed_saying_why() -> None:
+    read, link = _speeds(2.0, 1.0)
+    rows = {**_fast_rows(), fast_tier.SHM_ROW: {"load_s": 0.5, "parts": {}}}
+    # No /dev/shm speed given: MISSED, why; the other rows still judged.
+    got = fast_tier.bounds(rows, read, link)
+    assert got[fast_tier.SHM_ROW]["verdict"] == "MISSED"
+    assert got[fast_tier.SHM_ROW]["bound_s"] is None
+    assert got[fast_tier.SHM_ROW]["why"] == (
+        "not measured: /dev/shm's read speed: not measured in this run"
+    )
+    assert got[fast_tier.ROWS[0]]["why"] is None
+    # Measured speed, the row not launched.
+    shm = {"gbps": 8.0, "n": 1, "bytes": 10**9, "streams": 2, "bytes_per_rank": 5 * 10**8}
+    got = fast_tier.bounds(_fast_rows(), read, link, shm)
+    assert got[fast_tier.SHM_ROW]["why"] == "not measured: the row was not launched"
+    assert got[fast_tier.SHM_ROW]["verdict"] == "MISSED"
+
+
+def test_the_dev_shm_row_is_in_every_table_the_json_and_judged_against_each_stand_in() -> None:
+    result = _with_shm(_bounded())
+    summary = fast_tier.summarise(result)
+    json.dumps(summary)
+    shm_row, own, local = fast_tier.SHM_ROW, fast_tier.ROWS[0], fast_tier.ROWS[2]
+    assert summary["bounds"]["shm"]["gbps"] == 4.0  # the median of 8, 2, 4
+    stored = summary["bounds"]["rows"][shm_row]
+    # A node's share: 2 GB/s; 1.2 x 500 MB / 2 GB/s = 0.30 s + 0.70 s fixed (0.05 inventory,
+    # 0.65 other: 0.8 - 0.1 - 0.05) = 1.00 s against 0.80 s measured.
+    assert stored["bound_s"] == pytest.approx(1.0) and stored["verdict"] == "MET"
+    verdicts = {(f, p): v for f, p, _, _, v in fast_tier.targets(summary["rows"])}
+    assert verdicts[(shm_row, local)] == "MET"  # 0.8 s against 4 s
+    assert (own, local) in verdicts
+    table = fast_tier.report(result, summary, "machine", "command")
+    lines = [line for line in table.splitlines() if line.startswith(f"| {shm_row} | ")]
+    # The recovery table, where the recovery went, where the load went, against the
+    # persistent tier, against its own bound.
+    assert len(lines) == 5, table
+    # recovery + load 0.80 s, persistent / this 4 / 0.8.
+    assert lines[0].split(" | ")[6:8] == ["0.80", "5.00"]
+    assert f"| {shm_row} | {local} | 0.80 | 4.00 | 0.20 | MET |" in table
+    assert (
+        f"| {shm_row} | 477 | 2.00 (/dev/shm read / 2 nodes) | 0.30 | 0.70 | 1.00 | 0.80 | 0.10 "
+        "| MET |" in table
+    )
+    assert "`/dev/shm`: its read speed: 4.00 GB/s (median of 3; 2.00\u20138.00)" in table
+    assert "nothing dropped from the page cache" in table
+    assert f"`{shm_row}`: the own copies' launch with each node's directory under" in table
+
+
+def test_the_dev_shm_row_not_measured_says_why_in_the_report_and_makes_no_figures() -> None:
+    result = {**_bounded(), "shm": None, "shm_why": "/dev/shm has 10 MiB free, 300 MiB needed"}
+    summary = fast_tier.summarise(result)
+    table = fast_tier.report(result, summary, "machine", "command")
+    why = "/dev/shm has 10 MiB free, 300 MiB needed"
+    assert f"`{fast_tier.SHM_ROW}`: not measured ({why})." in table
+    got = summary["bounds"]["rows"][fast_tier.SHM_ROW]
+    full = f"not measured: the row was not launched; /dev/shm's read speed: {why}"
+    assert got["verdict"] == "MISSED" and got["why"] == full
+    assert (
+        f"| {fast_tier.SHM_ROW} | 477 | — (/dev/shm read / 2 nodes) | — | — | — | — | — | MISSED ({full}) |"
+        in table
+    )
+    assert f"`/dev/shm`: its read speed: not measured (/dev/shm's read speed: {why})." in table
+    assert not [r for r, _, _, _, _ in fast_tier.targets(summary["rows"]) if r == fast_tier.SHM_ROW]
+
+
+def test_the_dev_shm_row_and_its_speed_are_interleaved_with_the_others_each_round(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    rows = fast_tier.rows_measured(True, True, True)
+    own, peer, persistent = fast_tier.ROWS
+    assert rows == [own, peer, fast_tier.SHM_ROW, persistent, fast_tier.THROTTLED, fast_tier.S3_ROW]
+    first = fast_tier.round_order(rows, 1)
+    assert first == [
+        own,
+        fast_tier.MEDIUM,
+        peer,
+        fast_tier.LINK,
+        fast_tier.SHM_ROW,
+        fast_tier.SHM_MEDIUM,
+        persistent,
+        fast_tier.THROTTLED,
+        fast_tier.S3_ROW,
+    ]
+    assert fast_tier.round_order(rows, 2) == first[::-1]
+    assert fast_tier.round_order(rows, 3) == first
+    calls: list[str] = []
+    shms: list[Any] = []
+
+    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+        calls.append(row)
+        shms.append(args[-1])
+        return _launch(3.0, 1.0, 2.0, "fast" if row.startswith("fast") else "persistent", 0)
+
+    def speed(name: str) -> Any:
+        def measured(*args: Any) -> dict[str, Any]:
+            calls.append(name)
+            if name == fast_tier.SHM_MEDIUM:
+                assert isinstance(args[1], fast_tier.ShmDir) and args[1].base.is_dir()
+            return {"bytes": 2, "streams": 2, "seconds": 1.0, "gbps": 1.0, "bytes_per_rank": 1}
+
+        return measured
+
+    monkeypatch.setattr(fast_tier, "prepare", lambda *args: _result()["saves"])
+    monkeypatch.setattr(fast_tier, "recover_once", recover_once)
+    monkeypatch.setattr(fast_tier, "read_cold", speed(fast_tier.MEDIUM))
+    monkeypatch.setattr(fast_tier, "link_speed", speed(fast_tier.LINK))
+    monkeypatch.setattr(fast_tier, "read_shm", speed(fast_tier.SHM_MEDIUM))
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    result = fast_tier.measure(tmp_path / "scratch", "quick", 2, 60.0, shm_root=shm_root)
+    plain = fast_tier.round_order(fast_tier.rows_measured(False, False, True), 1)
+    assert calls == plain + plain[::-1]
+    assert len(result["launches"][fast_tier.SHM_ROW]) == 2 and len(result["shm_reads"]) == 2
+    assert result["shm"].startswith(f"each node's directory under `{shm_root}`")
+    assert result["shm_why"] is None
+    # The ShmDir handed to every launch; its directory removed once the rounds are done.
+    assert all(isinstance(s, fast_tier.ShmDir) for s in shms)
+    assert list(shm_root.iterdir()) == []
+
+
+def test_the_dev_shm_directory_is_removed_when_a_launch_fails(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+        raise RuntimeError("a rank died")
+
+    monkeypatch.setattr(fast_tier, "prepare", lambda *args: _result()["saves"])
+    monkeypatch.setattr(fast_tier, "recover_once", recover_once)
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    with pytest.raises(RuntimeError, match="a rank died"):
+        fast_tier.measure(tmp_path / "scratch", "quick", 1, 60.0, shm_root=shm_root)
+    assert list(shm_root.iterdir()) == []
+
+
+def test_without_room_on_dev_shm_the_row_is_not_launched_saying_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+        calls.append(row)
+        return _launch(3.0, 1.0, 2.0, "fast" if row.startswith("fast") else "persistent", 0)
+
+    monkeypatch.setattr(fast_tier, "prepare", lambda *args: _result()["saves"])
+    monkeypatch.setattr(fast_tier, "recover_once", recover_once)
+    monkeypatch.setattr(fast_tier, "read_cold", lambda *args: {"why": "no copy"})
+    monkeypatch.setattr(fast_tier, "link_speed", lambda *args: {"why": "no link"})
+    result = fast_tier.measure(tmp_path, "quick", 1, 60.0, shm_root=tmp_path / "absent")
+    assert fast_tier.SHM_ROW not in calls and fast_tier.SHM_ROW not in result["launches"]
+    assert result["shm"] is None and result["shm_why"] == f"{tmp_path / 'absent'} is absent"
+    assert result["shm_reads"] == []
+    table = fast_tier.report(result, fast_tier.summarise(result), "machine", "command")
+    assert f"`{fast_tier.SHM_ROW}`: not measured ({tmp_path / 'absent'} is absent)." in table
+
+
+def test_dev_shm_is_refused_when_absent_or_too_small_and_its_copy_leaves_the_snapshot_as_is(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    scratch = tmp_path / "scratch"
+    for node in range(fast_tier.NODES):
+        fast = node_storage(scratch / "snapshot" / "local", node) / "fast"
+        fast.mkdir(parents=True)
+        (fast / "state").write_bytes(b"x" * (3 * fast_tier.MiB))
+    root = tmp_path / "shm"
+    assert fast_tier.ShmDir.open(scratch, root) == (None, f"{root} is absent")
+    root.mkdir()
+    usage = fast_tier.shutil.disk_usage(root)
+    # 2 x 6 MiB + 256 MiB needed; 100 MiB free.
+    monkeypatch.setattr(
+        fast_tier.shutil, "disk_usage", lambda path: usage._replace(free=100 * fast_tier.MiB)
+    )
+    got, why = fast_tier.ShmDir.open(scratch, root)
+    assert got is None
+    assert (
+        why
+        == f"{root} has 100 MiB free, 268 MiB needed (2 x the nodes' directories, 6 MiB, + 256 MiB)"
+    )
+    assert list(root.iterdir()) == []
+    monkeypatch.undo()
+    shm, why = fast_tier.ShmDir.open(scratch, root)
+    assert shm is not None and why == "" and shm.base.parent == root
+    assert shm.needed == 6 * fast_tier.MiB
+    try:
+        node_dir = shm.place(scratch / "snapshot")
+        assert node_dir == shm.base / "local"
+        for node in range(fast_tier.NODES):
+            copied = node_storage(node_dir, node) / "fast" / "state"
+            assert copied.read_bytes() == b"x" * (3 * fast_tier.MiB)
+            copied.write_bytes(b"changed by a launch")
+        shm.clear()
+        node_dir = shm.place(scratch / "snapshot")  # afresh: what the killed job left
+        assert (node_storage(node_dir, 1) / "fast" / "state").stat().st_size == 3 * fast_tier.MiB
+        assert (
+            node_storage(scratch / "snapshot" / "local", 1) / "fast" / "state"
+        ).stat().st_size == (3 * fast_tier.MiB)
+    finally:
+        shm.close()
+    assert list(root.iterdir()) == []
+
+
+def test_dev_shms_read_reads_each_nodes_own_copy_from_the_copy_on_dev_shm(
+    tmp_path: Path,
+) -> None:
+    from lightning_mcore_ckpt.fast import files
+    from lightning_mcore_ckpt.launch.namespaces import node_storage
+
+    scratch, root = tmp_path / "scratch", tmp_path / "shm"
+    root.mkdir()
+    (scratch / "snapshot" / "local.nodes").mkdir(parents=True)
+    shm, _ = fast_tier.ShmDir.open(scratch, root)
+    assert shm is not None
+    try:
+        assert fast_tier.read_shm(scratch, shm)["why"].startswith("no sealed fast-tier copy")
+        sizes = {0: 3 * fast_tier.MiB + 5, 1: 1000}
+        for rank, size in sizes.items():
+            node = rank // fast_tier.PER_NODE
+            step = files.step_dir(
+                node_storage(scratch / "snapshot" / "local", node) / "fast", fast_tier.KILLED_AT
+            )
+            written = {}
+            for name in files.files_of(rank):
+                (step / name).parent.mkdir(parents=True, exist_ok=True)
+                (step / name).write_bytes(b"x" * size)
+                written[name] = (size, "digest")
+            files.write_seal(step, rank, 2, written)
+            # A peer's copy on the node too: not read by the own copies' ranks.
+            peer = (rank + 1) % 2
+            (step / files.files_of(peer)[0]).write_bytes(b"y" * 10 * fast_tier.MiB)
+        got = fast_tier.read_shm(scratch, shm)
+        seals = {
+            r: (
+                files.step_dir(
+                    node_storage(scratch / "snapshot" / "local", r) / "fast", fast_tier.KILLED_AT
+                )
+                / files.seal_name(r)
+            )
+            .stat()
+            .st_size
+            for r in sizes
+        }
+        copies = {r: 2 * s + seals[r] for r, s in sizes.items()}
+        assert got["streams"] == 2 and got["bytes"] == sum(copies.values())
+        assert got["bytes_per_rank"] == copies[0]
+        assert not fast_tier.node_storage_root(shm.node_dir).exists()  # cleared after the read
+    finally:
+        shm.close()

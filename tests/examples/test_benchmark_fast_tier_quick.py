@@ -1,0 +1,82 @@
+"""``python -m benchmarks --only-fast-tier --quick`` end to end (about 30 s on 2 cores; needs
+simulated nodes with a ``node_dir``: Linux, root): every recovery row launched and resumed from
+the tier it stands for, ``/dev/shm``'s row included where ``/dev/shm`` is there, its speed
+measured and its bound judged, and its directory under ``/dev/shm`` removed afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import fast_tier  # noqa: E402 - the repository's benchmarks, not a package
+
+
+def _ours() -> set[str]:
+    if not fast_tier.SHM.is_dir():
+        return set()
+    return {p.name for p in fast_tier.SHM.glob("lmc-bench-fast-tier-*")}
+
+
+@pytest.mark.timeout(600)
+def test_the_fast_tier_benchmarks_quick_mode_runs_every_row(tmp_path: Path) -> None:
+    from lightning_mcore_ckpt.testing import nodes_unavailable
+
+    why = nodes_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    before = _ours()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--only-fast-tier",
+            "--quick",
+            "--out",
+            str(tmp_path / "out"),
+            "--dir",
+            str(tmp_path / "scratch"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=580,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (raw,) = (tmp_path / "out").glob("*-fast-tier-quick.json")
+    data = json.loads(raw.read_text())
+    rows = data["summary"]["rows"]
+    own, peer, persistent = fast_tier.ROWS
+    for row in (own, peer):
+        assert rows[row]["resumed_step"] == [fast_tier.KILLED_AT] and rows[row]["tier"] == ["fast"]
+    assert rows[persistent]["resumed_step"] == [fast_tier.PERSISTED]
+    bounds = data["summary"]["bounds"]
+    assert bounds["read"]["gbps"] and bounds["link"]["gbps"]
+    shm = bounds["rows"][fast_tier.SHM_ROW]
+    (table,) = (tmp_path / "out").glob("*-fast-tier-quick.md")
+    if data["shm"] is None:  # no /dev/shm, or too small: said, not launched
+        assert data["shm_why"] and fast_tier.SHM_ROW not in rows
+        assert shm["verdict"] == "MISSED" and data["shm_why"] in shm["why"]
+        assert f"`{fast_tier.SHM_ROW}`: not measured ({data['shm_why']})." in table.read_text()
+    else:
+        got = rows[fast_tier.SHM_ROW]
+        assert got["resumed_step"] == [fast_tier.KILLED_AT] and got["tier"] == ["fast"]
+        assert got["ranks_from_peers"] == [0]
+        assert len(data["shm_reads"]) == 1 and bounds["shm"]["gbps"]
+        assert (
+            shm["why"] is None
+            and shm["bound_s"]
+            and shm["speed_gbps"] == pytest.approx(bounds["shm"]["gbps"] / fast_tier.NODES)
+        )
+        assert f"| {fast_tier.SHM_ROW} | " in table.read_text()
+    # Its directory under /dev/shm is gone.
+    assert _ours() <= before

@@ -13,7 +13,8 @@ Its modules:
   (the async request in flight), ``_shards`` (our shard writer's thread pool and background
   save thread), ``_staging`` (reused staging buffers), ``_plans`` (save plans kept while the
   state's structure holds), ``_agreeing_save_strategy`` (Megatron-Core's save strategy, rank 0's
-  finalisation errors shared with every rank), ``_extra`` (a rank's ``extra/rank_<r>.pt``),
+  finalisation errors shared with every rank; ``_kept_conversions``: its torch sharded tensors
+  kept with the plans), ``_extra`` (a rank's ``extra/rank_<r>.pt``),
   ``_dedup`` (frozen tensors written once), ``_durable`` (a save's metadata, the seal of a save
   made by hand).
 - ``_reader``: ``CheckpointReader``, a load into the current parallel layout; ``_parallel_reader``

@@ -11,6 +11,7 @@ Modules, in their order of imports:
   writer      FastWriter: stage, write and seal in the background, copy to peers, count
   peers       which nodes hold whose copies; copies sent between them
   files       what a node's directory holds; a copy whole and unchanged
+  media       a copy in memory (/dev/shm) mapped where it is, one on a disk read
 """
 
 from lightning_mcore_ckpt.fast.config import FastTier

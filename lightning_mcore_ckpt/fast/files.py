@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import IO, Any, cast
 
+from lightning_mcore_ckpt.fast import media
 from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR
 from lightning_mcore_ckpt.safety.names import UnsafeNameError, inside
@@ -212,20 +213,24 @@ def _checked(step: Path, rank: int, keep: bool) -> tuple[bytes, list[bytearray |
 def _read_hashed(path: Path, size: int, keep: bool) -> tuple[bytearray | memoryview, str] | str:
     """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
     and hashed chunk by chunk while the chunk is fresh in the cache; or why not (a file
-    missing, or not of the ``size`` sealed)."""
+    missing, or not of the ``size`` sealed). A file in memory (``/dev/shm``) is kept mapped,
+    not copied (:mod:`.media`), and hashed where it is."""
     try:
         with open(path, "rb") as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 return f"{path} has {actual} bytes, its seal says {size} (torn)"
-            data = buffer(size if keep else min(size, _CHUNK))
-            view = memoryview(data)
             hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
+            mapped = keep and size > 0 and media.in_memory(path)
+            data = (
+                media.map_file(f, size) if mapped else buffer(size if keep else min(size, _CHUNK))
+            )
+            view = memoryview(data)
             done = 0
             while done < size:
                 chunk = min(_CHUNK, size - done)
                 window = view[done : done + chunk] if keep else view[:chunk]
-                read = f.readinto(window)
+                read = chunk if mapped else f.readinto(window)  # mapped: already there
                 if not read:
                     return f"{path} ended after {done} of {size} bytes (torn)"
                 hasher.write(window[:read])

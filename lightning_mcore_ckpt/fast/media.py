@@ -53,11 +53,22 @@ def in_memory(path: str | Path) -> bool:
     return file_system(path) in IN_MEMORY
 
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
 def map_file(f: IO[bytes], size: int) -> memoryview:
     """The first ``size`` bytes of the open file ``f``, mapped: private (writes to the view,
-    e.g. a tensor made of it, never reach the file) and its pages mapped at once. The fast
-    tier replaces its files by rename, never in place, so the bytes mapped stay the file's
-    bytes checked."""
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-    area = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    e.g. a tensor made of it, never reach the file) and its pages mapped at once for reading
+    (``MADV_POPULATE_READ``, one call instead of a fault per page; not ``MAP_POPULATE``, which
+    on a private writable mapping copies every page as if written: 0.06 s against 0.014 s for
+    127 MiB). The fast tier replaces its files by rename, never in place, so the bytes mapped
+    stay the file's bytes checked."""
+    area = mmap.mmap(
+        f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+    )
+    if hasattr(area, "madvise"):
+        try:
+            area.madvise(_MADV_POPULATE_READ)
+        except OSError:  # an older kernel: each page is mapped at its first read instead
+            pass
     return memoryview(area)

@@ -140,3 +140,40 @@ def test_a_damaged_copy_is_refused_on_either_medium(medium: tuple[str, Path], da
     found = files.read_checked(step, RANK)
     assert isinstance(found, str)
     assert damage in found and name in found
+
+
+def _anonymous_bytes() -> int:
+    """This process's resident anonymous memory (``RssAnon``): what a copy of a file costs."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("/proc/self/status has no RssAnon")
+
+
+def test_a_copy_in_memory_costs_no_memory_of_its_own() -> None:
+    shm = _shm()
+    if shm is None:
+        pytest.skip("no writable tmpfs at /dev/shm")
+    made = Path(tempfile.mkdtemp(prefix="lmc-test-media-", dir=shm))
+    try:
+        step = files.step_dir(made, STEP)
+        (step / "extra").mkdir(parents=True)
+        state, extra = files.files_of(RANK)
+        big = os.urandom(64 << 20)
+        (step / state).write_bytes(big)
+        (step / extra).write_bytes(b"extra")
+        sealed = {
+            n: (len(d), integrity.hash_bytes(d)) for n, d in ((state, big), (extra, b"extra"))
+        }
+        files.write_seal(step, RANK, 2, sealed)
+        del big
+        before = _anonymous_bytes()
+        found = files.read_checked(step, RANK)
+        grown = _anonymous_bytes() - before
+        assert not isinstance(found, str), found
+        # Mapped for reading, its pages the file's: not copied into memory of this process's
+        # own (a read, or a mapping populated as if written, would add its 64 MiB).
+        assert grown < 8 << 20, grown
+        del found
+    finally:
+        shutil.rmtree(made, ignore_errors=True)

@@ -978,8 +978,11 @@ class ShmDir:
         shutil.rmtree(self.node_dir, ignore_errors=True)
 
     def describe(self) -> str:
+        from lightning_mcore_ckpt.fast import media
+
+        kind = media.file_system(self.root) or "?"
         return (
-            f"each node's directory under `{self.root}` ({_fs_type(self.root)}: read from memory, "
+            f"each node's directory under `{self.root}` ({kind}: read from memory, "
             "so nothing is dropped from the page cache before its launches), copied there from "
             f"the snapshot before each launch ({self.needed / MiB:.0f} MiB, both nodes), removed "
             "after it"
@@ -987,18 +990,6 @@ class ShmDir:
 
     def close(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
-
-
-def _fs_type(path: Path) -> str:
-    """The type of the file system mounted at ``path`` (``/proc/mounts``), or ``"?"``."""
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 2 and fields[1] == str(path):
-                return fields[2]
-    except OSError:
-        pass
-    return "?"
 
 
 class ThrottledDir:

@@ -6,12 +6,11 @@ measured and its bound judged, and its directory under ``/dev/shm`` removed afte
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import run_benchmarks
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -33,25 +32,14 @@ def test_the_fast_tier_benchmarks_quick_mode_runs_every_row(tmp_path: Path) -> N
     if why is not None:
         pytest.skip(why)
     before = _ours()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--only-fast-tier",
-            "--quick",
-            "--out",
-            str(tmp_path / "out"),
-            "--dir",
-            str(tmp_path / "scratch"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=580,
+    run_benchmarks(
+        "--only-fast-tier",
+        "--quick",
+        "--out",
+        str(tmp_path / "out"),
+        "--dir",
+        str(tmp_path / "scratch"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     (raw,) = (tmp_path / "out").glob("*-fast-tier-quick.json")
     data = json.loads(raw.read_text())
     rows = data["summary"]["rows"]

@@ -3,37 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _benchmarks import run_benchmarks
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(600)
 def test_benchmark_quick_mode_writes_results_table_and_chart(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--quick",
-            "--out",
-            str(tmp_path),
-            "--dir",
-            str(tmp_path / "scratch"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=580,
+    run_benchmarks(
+        "--quick",
+        "--out",
+        str(tmp_path),
+        "--dir",
+        str(tmp_path / "scratch"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     (result,) = tmp_path.glob("*-quick.json")
     data = json.loads(result.read_text())
     (run,) = data["runs"]
@@ -170,29 +158,18 @@ def test_step_overhead_counts_what_the_last_rank_to_arrive_spends() -> None:
 def test_benchmark_scale_mode_measures_each_rank_count_through_real_saves(tmp_path: Path) -> None:
     # The scale mode end to end on a tiny state at 1 and 2 ranks (TP over every rank): every
     # figure of the table is measured from real Trainer saves and loads, and judged.
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--scale",
-            "--quick",
-            "--procs",
-            "1,2",
-            "--saves",
-            "3",
-            "--out",
-            str(tmp_path),
-            "--dir",
-            str(tmp_path / "scratch"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=580,
+    run_benchmarks(
+        "--scale",
+        "--quick",
+        "--procs",
+        "1,2",
+        "--saves",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--dir",
+        str(tmp_path / "scratch"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     (result,) = tmp_path.glob("*-scale-quick-tp.json")
     data = json.loads(result.read_text())
     low, high = data["rows"]

@@ -28,6 +28,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import fast_tier  # noqa: E402 - the repository's benchmarks, not a package
 
 
+def _sealed_copy(step: Path, rank: int, size: int) -> None:
+    """Rank ``rank``'s files in ``step``, ``size`` bytes each, under a seal naming them."""
+    from lightning_mcore_ckpt.fast import files
+
+    written = {}
+    for name in files.files_of(rank):
+        (step / name).parent.mkdir(parents=True, exist_ok=True)
+        (step / name).write_bytes(b"x" * size)
+        written[name] = (size, "digest")
+    files.write_seal(step, rank, 2, written)
+
+
 def _simulated_loss(cadence: int, in_flight: float, samples: int = 20000) -> float:
     """Mean steps lost over failures spread evenly on a long run: saves start at every
     multiple of ``cadence`` and count ``in_flight`` steps later; a failure resumes the newest
@@ -575,12 +587,7 @@ def test_the_cold_read_reads_every_copy_the_serving_node_holds(
     )
     sizes = {0: 3 * fast_tier.MiB + 5, 1: 1000}  # its peer's copy, its own
     for rank, size in sizes.items():
-        written = {}
-        for name in files.files_of(rank):
-            (step / name).parent.mkdir(parents=True, exist_ok=True)
-            (step / name).write_bytes(b"x" * size)
-            written[name] = (size, "digest")
-        files.write_seal(step, rank, 2, written)
+        _sealed_copy(step, rank, size)
     monkeypatch.setattr(fast_tier.os, "sync", lambda: None)  # not the whole machine's, here
     got = fast_tier.read_cold(tmp_path)
     copies = {r: 2 * s + (step / files.seal_name(r)).stat().st_size for r, s in sizes.items()}
@@ -864,12 +871,7 @@ def test_dev_shms_read_reads_each_nodes_own_copy_from_the_copy_on_dev_shm(
             step = files.step_dir(
                 node_storage(scratch / "snapshot" / "local", node) / "fast", fast_tier.KILLED_AT
             )
-            written = {}
-            for name in files.files_of(rank):
-                (step / name).parent.mkdir(parents=True, exist_ok=True)
-                (step / name).write_bytes(b"x" * size)
-                written[name] = (size, "digest")
-            files.write_seal(step, rank, 2, written)
+            _sealed_copy(step, rank, size)
             # A peer's copy on the node too: not read by the own copies' ranks.
             peer = (rank + 1) % 2
             (step / files.files_of(peer)[0]).write_bytes(b"y" * 10 * fast_tier.MiB)

@@ -7,11 +7,11 @@ with a thread pool (each file sequentially, in offset order; each record forward
 tail: :mod:`._record_order`). A record whose bytes lie in the file as they will in memory (the
 usual case) is read straight into the tensor it is loaded into: no temporary tensor, no copy.
 Its layout comes from torch.load onto the meta device, which parses the record without
-reading its data. A record loaded into a device tensor (a
-run on GPUs) is read in chunks into two pinned host buffers of its thread, each chunk copied to
-the device while the next is read: no pageable copy of the record, and no second copy on the
-device. Any other record goes through torch.load and a copy. The planner (where each tensor
-goes) is called under a lock.
+reading its data, once per distinct head in a load (:mod:`._record_layouts`). A record loaded
+into a device tensor (a run on GPUs) is read in chunks into two pinned host buffers of its
+thread, each chunk copied to the device while the next is read: no pageable copy of the
+record, and no second copy on the device. Any other record goes through torch.load and a copy.
+The planner (where each tensor goes) is called under a lock.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 
 from lightning_mcore_ckpt.engine import _record_order
+from lightning_mcore_ckpt.engine._record_layouts import Layout, Layouts
 from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["ParallelFileSystemReader", "load_strategy", "views_readable"]
@@ -54,6 +55,7 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
         for item in plan.items:
             per_file.setdefault(infos[item.storage_index].relative_path, []).append(item)
         lock = threading.Lock()
+        layouts = Layouts()
 
         def read_file(relative_path: str, items: list[Any]) -> None:
             items.sort(key=lambda item: infos[item.storage_index].offset)
@@ -73,7 +75,9 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
                         continue
                     with lock:
                         target = planner.resolve_tensor(item).detach()
-                    self._read_tensor(stream, info, item, target, planner if local else None)
+                    self._read_tensor(
+                        stream, info, item, target, planner if local else None, layouts
+                    )
                     with lock:
                         planner.commit_tensor(item, target)
 
@@ -85,36 +89,48 @@ class ParallelFileSystemReader(FileSystemReader):  # type: ignore[misc]
         return done
 
     def _read_tensor(
-        self, stream: Any, info: Any, item: Any, target: torch.Tensor, planner: Any | None
+        self,
+        stream: Any,
+        info: Any,
+        item: Any,
+        target: torch.Tensor,
+        planner: Any | None,
+        layouts: Layouts,
     ) -> None:
         """``item``'s bytes into ``target``. From a local file (``planner`` given) the record is
         read forward (:mod:`._record_order`): its data straight into ``target`` from where its
         head says they start, when it is saved whole and lies as ``target`` does, then its
-        tail; the layout parsed from the record (torch.load onto the meta device) decides, and
+        tail; the layout parsed from the record (torch.load onto the meta device, or the layout
+        of a record with the same head, :mod:`._record_layouts`) decides, and
         data read from elsewhere are read again from its place. Any other record goes through
         torch.load and a copy."""
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         record = _record_order.Record(stream, info.offset, info.length) if planner else None
+        start = record.data_start() if record is not None else None
         guessed = None
-        if record is not None and _direct(target) and _record_order.whole_chunk(planner, item):
-            start = record.data_start()
-            if start is not None and start + _nbytes(target) <= info.length:
+        if start is not None and _direct(target) and _record_order.whole_chunk(planner, item):
+            if start + _nbytes(target) <= info.length:
                 guessed = info.offset + start
                 _read_at(stream, guessed, target)
-        view = record.view() if record is not None else self._slice_file(stream, info)
-        layout = torch.load(view, map_location="meta", weights_only=True)
-        layout = narrow_tensor_by_index(layout, item.storage_offsets, item.lengths)
-        if target.size() != layout.size():
-            raise AssertionError(
-                f"req {item.storage_index} mismatch sizes {target.size()} vs {layout.size()}"
+        if record is not None:
+            layout = layouts.of(record, start)
+        else:
+            parsed = torch.load(
+                self._slice_file(stream, info), map_location="meta", weights_only=True
             )
-        position = _place(info.offset, layout, target)
+            layout = Layout(parsed, getattr(parsed.untyped_storage(), "_checkpoint_offset", None))
+        tensor = narrow_tensor_by_index(layout.tensor, item.storage_offsets, item.lengths)
+        if target.size() != tensor.size():
+            raise AssertionError(
+                f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+            )
+        position = _place(info.offset, Layout(tensor, layout.start), target)
         if position is None:
-            tensor = torch.load(
+            whole = torch.load(
                 self._slice_file(stream, info), map_location="cpu", weights_only=True
             )
-            target.copy_(narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths))
+            target.copy_(narrow_tensor_by_index(whole, item.storage_offsets, item.lengths))
         elif position != guessed:
             _read_at(stream, position, target)
 
@@ -134,19 +150,19 @@ def _nbytes(target: torch.Tensor) -> int:
     return target.numel() * target.element_size()
 
 
-def _place(record_offset: int, layout: torch.Tensor, target: torch.Tensor) -> int | None:
+def _place(record_offset: int, layout: Layout, target: torch.Tensor) -> int | None:
     """Where ``target``'s bytes start in the file when they lie there as they will in memory.
 
-    ``layout`` is the record's tensor on the meta device (where its storage starts in the
-    record, its offset, strides and dtype). ``None`` for any other case (a strided or
+    ``layout`` is the record's tensor on the meta device (its offset, strides and dtype) and
+    where its storage starts in the record. ``None`` for any other case (a strided or
     differently typed tensor): torch.load and a copy do those.
     """
-    start = getattr(layout.untyped_storage(), "_checkpoint_offset", None)
-    if start is None or not _direct(target) or layout.dtype != target.dtype:
+    tensor = layout.tensor
+    if layout.start is None or not _direct(target) or tensor.dtype != target.dtype:
         return None
-    if not layout.is_contiguous():
+    if not tensor.is_contiguous():
         return None
-    return record_offset + start + layout.storage_offset() * layout.element_size()
+    return record_offset + layout.start + int(tensor.storage_offset()) * tensor.element_size()
 
 
 def _read_at(stream: Any, position: int, target: torch.Tensor) -> None:

@@ -158,6 +158,66 @@ def test_a_place_the_layout_does_not_confirm_is_read_again(
     assert len(reads) == 4  # each record: the wrong place, then its own
 
 
+def _alike(count: int) -> dict[str, torch.Tensor]:
+    """``count`` records of each of four layouts with the same number of bytes: fp32 (32, 16),
+    the same shape transposed (other strides), int32 (32, 16) (another dtype), fp32 (16, 32)
+    (another shape); and one fp64 record (another length)."""
+    g = torch.Generator().manual_seed(3)
+    saved: dict[str, torch.Tensor] = {"fp64": torch.randn(32, 16, generator=g).double()}
+    for i in range(count):
+        saved[f"fp32_{i}"] = torch.randn(32, 16, generator=g)
+        saved[f"strided_{i}"] = torch.randn(16, 32, generator=g).t()
+        saved[f"int32_{i}"] = torch.randint(-(2**30), 2**30, (32, 16), generator=g).int()
+        saved[f"wide_{i}"] = torch.randn(16, 32, generator=g)
+    return saved
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_distinct_head_is_parsed_once(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Records pickled alike (a layer's shards) share one parse of their layout; records alike
+    # in bytes but not in layout (strides, dtype, shape) are told apart by their heads.
+    from lightning_mcore_ckpt.engine import _record_layouts
+
+    saved = _alike(6)
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=threads))
+    parses: list[int] = []
+    load = torch.load
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("map_location") == "meta":
+            parses.append(1)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(_record_layouts.torch, "load", counted)
+    loaded = {k: torch.full_like(v, -7) for k, v in saved.items()}
+    dcp.load(loaded, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, threads))
+    for key, value in saved.items():
+        assert loaded[key].dtype == value.dtype
+        assert torch.equal(loaded[key], value), key
+    # One parse per layout on one thread; a head parsed on two threads at once costs at most
+    # one parse more per thread.
+    assert len(parses) == 5 if threads == 1 else 5 <= len(parses) <= 5 * threads
+
+
+def test_a_record_with_a_known_head_skips_its_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A record whose layout is known is read head and data: its tail (the zip's directory,
+    # which only the parse needs) is not read.
+    g = torch.Generator().manual_seed(4)
+    saved = {f"w{i}": torch.randn(100, 64, generator=g) for i in range(4)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=1))
+    starts = _record_reads(monkeypatch)
+    loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(loaded, storage_reader=_parallel_reader.ParallelFileSystemReader(tmp_path, 1))
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    (positions,) = [v for k, v in starts.items() if k.endswith(".distcp")]
+    assert positions == sorted(positions), positions
+    assert len(positions) == 3 + 2 * (len(saved) - 1)  # the first record's tail only
+
+
 def test_a_slice_of_a_saved_chunk_is_read_from_its_place(tmp_path: Path) -> None:
     # A load that wants rows 10..20 of a saved tensor (a reshard's partial read).
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex

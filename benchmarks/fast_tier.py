@@ -311,8 +311,16 @@ RECOVERY_PARTS = (
     ("fetch, in all", "lightning_mcore_ckpt.fast.recovery", "_fetch"),
     ("read and check a copy (in memory)", "lightning_mcore_ckpt.fast.files", "read_checked"),
     ("read and check a copy (streamed)", "lightning_mcore_ckpt.fast.files", "verify"),
-    ("send and receive", "lightning_mcore_ckpt.fast.recovery", "exchange"),
-    ("check and write a fetched copy", "lightning_mcore_ckpt.fast.peers", "Bundle.write"),
+    (
+        "receive a fetched copy, hashed as it comes",
+        "lightning_mcore_ckpt.fast.peers",
+        "Incoming.take",
+    ),
+    (
+        "check it against its seal, queue its write",
+        "lightning_mcore_ckpt.fast.peers",
+        "Incoming.arrive",
+    ),
     ("recovery, in all", "lightning_mcore_ckpt.callback.fast_tier", "FastTierRun.recover"),
     ("load, in all", "lightning_mcore_ckpt.strategy.strategy", "MegatronStrategy.load_checkpoint"),
 )

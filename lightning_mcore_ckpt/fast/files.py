@@ -22,11 +22,13 @@ the files its rank may have (:func:`files_of`) before it becomes a path (:func:`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -60,6 +62,9 @@ __all__ = [
 STEP_PREFIX = "fast_step_"
 COMPLETE = "complete.json"
 _STEP = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+Progress = Callable[[int, Any, int], None]
+"""``progress(index, data, done)``: file ``index``'s first ``done`` bytes are read and hashed
+into ``data`` (:func:`read_checked`)."""
 _CHUNK = 8 << 20
 _HUGE_PAGE = 2 << 20
 
@@ -176,19 +181,32 @@ def verify(step: Path, rank: int) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def read_checked(step: Path, rank: int) -> tuple[bytes, list[bytearray | memoryview]] | str:
+def read_checked(
+    step: Path, rank: int, seal: bytes | None = None, progress: Progress | None = None
+) -> tuple[bytes, list[bytearray | memoryview]] | str:
     """Rank ``rank``'s seal in ``step`` and its files' bytes, in the seal's order, each file
     read once into memory and hashed as it is read; or what is wrong (as :func:`verify` says
     it). The bytes returned are the bytes that matched the seal: a load that uses them reads
-    nothing again, and nothing that changed on disk since."""
-    return _checked(step, rank, keep=True)
+    nothing again, and nothing that changed on disk since.
+
+    ``seal``: the seal's bytes, already read (else read here). ``progress(index, data, done)``
+    is called as each chunk of file ``index`` is read and hashed: its first ``done`` bytes are
+    in ``data`` (the file's whole buffer), e.g. to send them on while the rest is read."""
+    return _checked(step, rank, keep=True, seal=seal, progress=progress)
 
 
-def _checked(step: Path, rank: int, keep: bool) -> tuple[bytes, list[bytearray | memoryview]] | str:
-    try:
-        seal = (step / seal_name(rank)).read_bytes()
-    except OSError:
-        seal = b""
+def _checked(
+    step: Path,
+    rank: int,
+    keep: bool,
+    seal: bytes | None = None,
+    progress: Progress | None = None,
+) -> tuple[bytes, list[bytearray | memoryview]] | str:
+    if seal is None:
+        try:
+            seal = (step / seal_name(rank)).read_bytes()
+        except OSError:
+            seal = b""
     record = parse_seal(seal)
     if record is None:
         return f"{step / seal_name(rank)} is missing, torn or altered"
@@ -199,8 +217,9 @@ def _checked(step: Path, rank: int, keep: bool) -> tuple[bytes, list[bytearray |
     except UnsafeNameError as err:
         return str(err)
     contents = []
-    for name, entry in record["files"].items():
-        found = _read_hashed(paths[name], entry["size"], keep)
+    for index, (name, entry) in enumerate(record["files"].items()):
+        told = None if progress is None else functools.partial(progress, index)
+        found = _read_hashed(paths[name], entry["size"], keep, told)
         if isinstance(found, str):
             return found
         data, digest = found
@@ -210,11 +229,14 @@ def _checked(step: Path, rank: int, keep: bool) -> tuple[bytes, list[bytearray |
     return seal, contents
 
 
-def _read_hashed(path: Path, size: int, keep: bool) -> tuple[bytearray | memoryview, str] | str:
+def _read_hashed(
+    path: Path, size: int, keep: bool, progress: Callable[[Any, int], None] | None = None
+) -> tuple[bytearray | memoryview, str] | str:
     """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
     and hashed chunk by chunk while the chunk is fresh in the cache; or why not (a file
     missing, or not of the ``size`` sealed). A file in memory (``/dev/shm``) is kept mapped,
-    not copied (:mod:`.media`), and hashed where it is."""
+    not copied (:mod:`.media`), and hashed where it is. ``progress(data, done)`` after each
+    chunk (``keep`` only): the first ``done`` bytes of ``data`` are read and hashed."""
     try:
         with open(path, "rb") as f:
             actual = os.fstat(f.fileno()).st_size
@@ -235,6 +257,8 @@ def _read_hashed(path: Path, size: int, keep: bool) -> tuple[bytearray | memoryv
                     return f"{path} ended after {done} of {size} bytes (torn)"
                 hasher.write(window[:read])
                 done += read
+                if progress is not None and keep:
+                    progress(data, done)
     except FileNotFoundError:
         return f"{path} is missing"
     except OSError as err:

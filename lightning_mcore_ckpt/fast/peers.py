@@ -6,8 +6,10 @@ same directory share a node: ``callback/nodes.py``). Rank ``r``, the ``i``-th ra
 count): a ring, so that each node sends and receives the same bytes, and a step survives the
 loss of any ``replicas`` nodes.
 
-Copies travel over a process group of their own (gloo, on the host): as bytes of whole files,
-each preceded by a header, point to point. The receiver takes each file as it arrives
+Copies travel over a process group of their own (gloo, on the host), point to point: a header
+with the files' sizes, then each file in pieces (:data:`PIECE`), which a holder reading a copy
+from its disk sends as soon as each is read (:class:`Outgoing`) and the receiver has posted
+receives for all at once (:class:`Incoming`). The receiver takes each file as it arrives
 (:class:`Landing`): checks it against the sender's seal (size and digest) at once, and hands
 it to a thread that writes it into its own node's directory under the same name; the seal is
 written last, once every file is checked and written: a copy torn on the way never counts.
@@ -16,6 +18,7 @@ written last, once every file is checked and written: a copy torn on the way nev
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -31,7 +34,18 @@ from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.format import integrity
 from lightning_mcore_ckpt.storage import atomic as _atomic
 
-__all__ = ["Bundle", "Landing", "NodeMap", "exchange", "receive", "send"]
+__all__ = [
+    "Bundle",
+    "Incoming",
+    "Landing",
+    "NodeMap",
+    "Outgoing",
+    "exchange",
+    "handshake",
+    "header",
+    "receive",
+    "send",
+]
 
 _MAX_FILES = 8
 
@@ -149,16 +163,17 @@ class Landing:
         self._thread: threading.Thread | None = None
         self._failed: Exception | None = None
 
-    def arrived(self, index: int, data: Data) -> None:
+    def arrived(self, index: int, data: Data, digest: str | None = None) -> None:
         """Piece ``index`` of the copy (``0``: the seal, then each file in the seal's order)
-        has arrived. A problem with the copy is kept in :attr:`refused`, not raised."""
+        has arrived (``digest``: its digest, where it was hashed as it came in). A problem
+        with the copy is kept in :attr:`refused`, not raised."""
         if self.refused is not None:
             return
         try:
             if index == 0:
                 self._take_seal(data)
             else:
-                self._take_file(index - 1, data)
+                self._take_file(index - 1, data, digest)
         except ValueError as err:  # UnsafeNameError too
             self.refused = err
 
@@ -182,11 +197,12 @@ class Landing:
         self._thread.start()
         self._queue.put((step / files.seal_name(rank), None))  # the old seal goes first
 
-    def _take_file(self, index: int, data: Data) -> None:
+    def _take_file(self, index: int, data: Data, digest: str | None) -> None:
         if self.seal is None or index >= len(self._entries):
             raise ValueError(f"the copy of rank {self.rank}'s files for {self.step.name} is torn")
         name, entry, path = self._entries[index]
-        if len(data) != entry["size"] or integrity.hash_bytes(data) != entry["digest"]:
+        digest = digest if digest is not None else integrity.hash_bytes(data)
+        if len(data) != entry["size"] or digest != entry["digest"]:
             raise ValueError(
                 f"the copy of {self.step.name}/{name} does not match rank {self.rank}'s seal "
                 f"({len(data)} bytes, {entry['size']} sealed)"
@@ -269,16 +285,151 @@ def _as_tensor(data: Data) -> torch.Tensor:
     return torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
 
 
-def _header(bundle: Bundle | None) -> torch.Tensor:
-    """``[1, file count, seal bytes, file bytes...]``, or zeros: nothing follows."""
-    header = torch.zeros(3 + _MAX_FILES, dtype=torch.int64)
-    if bundle is not None:
-        if len(bundle.contents) > _MAX_FILES:
+PIECE = 16 << 20
+"""Bytes of each piece a file travels in: the receiver posts every piece's receive at once, and
+a holder sends each piece as soon as it has read it (:class:`Outgoing`)."""
+
+
+def _pieces(size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each piece of a file of ``size`` bytes."""
+    return [(begin, min(PIECE, size - begin)) for begin in range(0, size, PIECE)]
+
+
+def header(seal: Data | None, sizes: list[int]) -> torch.Tensor:
+    """``[1, file count, seal bytes, file bytes...]``, or zeros (``seal`` ``None``): nothing
+    follows. Raises ``ValueError`` for more files than a header holds."""
+    out = torch.zeros(3 + _MAX_FILES, dtype=torch.int64)
+    if seal is not None:
+        if len(sizes) > _MAX_FILES:
             raise ValueError(f"a bundle holds at most {_MAX_FILES} files")
-        header[0], header[1], header[2] = 1, len(bundle.contents), len(bundle.seal)
-        for i, data in enumerate(bundle.contents):
-            header[3 + i] = len(data)
-    return header
+        out[0], out[1], out[2] = 1, len(sizes), len(seal)
+        for i, size in enumerate(sizes):
+            out[3 + i] = size
+    return out
+
+
+def handshake(
+    group: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: list[int]
+) -> dict[int, torch.Tensor]:
+    """Send each ``(peer, header)`` and receive one header from each rank of ``incoming``, at
+    once (point to point over ``group``): the headers received, by source."""
+    headers = {src: torch.zeros(3 + _MAX_FILES, dtype=torch.int64) for src in incoming}
+    ops = [dist.P2POp(dist.isend, h, dst, group) for dst, h in outgoing]
+    ops += [dist.P2POp(dist.irecv, h, src, group) for src, h in headers.items()]
+    _run(ops)
+    return headers
+
+
+class Outgoing:
+    """A copy on its way to ``dst`` (its header sent): the seal at once, then each file's
+    pieces in order, each sent as soon as its bytes are in memory (:meth:`ready`). What was
+    never ready (a read that stopped short: a torn or unreadable file) is sent as zeros by
+    :meth:`close`, so that every receive the header announced completes; the receiver's
+    check against the seal refuses such a copy. The bytes sent must stay as they are until
+    :meth:`wait` returns."""
+
+    def __init__(self, group: Any, dst: int, seal: Data, sizes: list[int]) -> None:
+        self.group, self.dst, self.seal, self.sizes = group, dst, seal, sizes
+        self._file, self._piece = 0, 0
+        self._works: list[Any] = []
+        self._send(seal)
+        self._skip_empty()
+
+    def ready(self, index: int, data: Data, done: int) -> None:
+        """File ``index``'s first ``done`` bytes are in ``data`` (its whole buffer): each of
+        its whole pieces among them not sent yet is sent."""
+        view = memoryview(data)
+        while self._file == index:
+            begin, length = _pieces(self.sizes[index])[self._piece]
+            if begin + length > done:
+                return
+            self._send(view[begin : begin + length])
+            self._advance()
+
+    def close(self) -> None:
+        """Zeros in place of every piece not sent yet, in order."""
+        zeros = None
+        while self._file < len(self.sizes):
+            _, length = _pieces(self.sizes[self._file])[self._piece]
+            zeros = zeros if zeros is not None else bytearray(min(PIECE, max(self.sizes)))
+            self._send(memoryview(zeros)[:length])
+            self._advance()
+
+    def wait(self) -> None:
+        """Wait until every piece sent has been taken by the receiver."""
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+    def _send(self, data: Data) -> None:
+        if len(data):
+            self._works.append(dist.isend(_as_tensor(data), self.dst, self.group))
+
+    def _advance(self) -> None:
+        self._piece += 1
+        if self._piece == len(_pieces(self.sizes[self._file])):
+            self._file, self._piece = self._file + 1, 0
+            self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._file < len(self.sizes) and not self.sizes[self._file]:
+            self._file += 1
+
+
+class Incoming:
+    """A copy coming from ``src``, as its ``header`` announced it: the receive of every piece
+    of the seal and of each file posted at once, into memory of each file's size."""
+
+    def __init__(self, group: Any, src: int, header: torch.Tensor) -> None:
+        self.src = src
+        count = int(header[1])
+        sizes = [int(n) for n in header[2 : 3 + count]]
+        if not 0 <= count <= _MAX_FILES or min(sizes) < 0:
+            raise ValueError(f"rank {src} announced a copy of {count} files of {sizes} bytes")
+        self._buffers = [_receiving(n) for n in sizes]
+        self._digests: list[str] = []
+        self._works: list[list[Any]] = [
+            [dist.irecv(t[b : b + n], src, group) for b, n in _pieces(t.numel())]
+            for t in self._buffers
+        ]
+
+    def take(self) -> None:
+        """Wait for the copy piece by piece (the group's timeout bounds each wait), hashing
+        each piece as it is in, while the later ones still travel: :meth:`digest` then names
+        each file's digest (of the bytes received, which nothing writes to after)."""
+        for buffer, works in zip(self._buffers, self._works, strict=True):
+            hasher = integrity.Hasher()
+            view = _bytes(buffer)
+            for (begin, length), work in zip(_pieces(len(view)), works, strict=True):
+                work.wait()
+                hasher.update(view[begin : begin + length])
+            self._digests.append(hasher.digest)
+        self._works = [[] for _ in self._buffers]
+
+    def digest(self, index: int) -> str | None:
+        """Piece ``index``'s digest (``0``: the seal, then each file), where :meth:`take` has
+        hashed it; else ``None``."""
+        return self._digests[index] if index < len(self._digests) else None
+
+    def arrive(self, arrived: Callable[[int, int, Data], None] | None = None) -> Bundle:
+        """Wait for the copy, piece by piece (the group's timeout bounds each wait); as each
+        file is whole, ``arrived(index, count, data)`` (``index`` ``0``: the seal, then each of
+        the ``count`` files), while the later ones still travel. The copy, as received."""
+        count = len(self._buffers) - 1
+        for index, (buffer, works) in enumerate(zip(self._buffers, self._works, strict=True)):
+            for work in works:
+                work.wait()
+            if arrived is not None:
+                arrived(index, count, _bytes(buffer))
+        self._works = []
+        return Bundle(_bytes(self._buffers[0]), [_bytes(t) for t in self._buffers[1:]])
+
+    def drain(self) -> None:
+        """Wait for the copy and let it go (a copy not wanted after all)."""
+        for works in self._works:
+            for work in works:
+                work.wait()
+        self._works, self._buffers = [], []
 
 
 def exchange(
@@ -295,40 +446,28 @@ def exchange(
     as soon as it is in (``index`` ``0``: the seal, then each of its ``count`` files), in
     order, while the later ones still travel; it must not raise (a bundle's problem is kept,
     see :class:`Landing`)."""
-    headers = {src: torch.zeros(3 + _MAX_FILES, dtype=torch.int64) for src in incoming}
-    ops = [dist.P2POp(dist.isend, _header(b), dst, group) for dst, b in outgoing]
-    ops += [dist.P2POp(dist.irecv, h, src, group) for src, h in headers.items()]
-    _run(ops)
-    buffers: dict[int, list[torch.Tensor]] = {}
+    headers = handshake(group, [(dst, _header_of(b)) for dst, b in outgoing], incoming)
     sends = []
     for dst, bundle in outgoing:
         if bundle is not None:
-            for data in (bundle.seal, *bundle.contents):
-                if data:
-                    sends.append(dist.isend(_as_tensor(data), dst, group))
-    receives: list[tuple[int, int, int, torch.Tensor, Any]] = []
-    for src, header in headers.items():
-        if int(header[0]) == 1:
-            sizes = [int(n) for n in header[2 : 3 + int(header[1])]]
-            buffers[src] = [_receiving(n) for n in sizes]
-            for index, t in enumerate(buffers[src]):
-                work = dist.irecv(t, src, group) if t.numel() else None
-                receives.append((src, index, len(sizes) - 1, t, work))
-    # Each piece as it is in (the group's timeout bounds each wait), the later ones arriving
-    # meanwhile; then every send.
-    for src, index, count, t, work in receives:
-        if work is not None:
-            work.wait()
-        if arrived is not None:
-            arrived(src, index, count, _bytes(t))
-    for work in sends:
-        if work is not None:
-            work.wait()
+            going = Outgoing(group, dst, bundle.seal, [len(d) for d in bundle.contents])
+            for index, data in enumerate(bundle.contents):
+                going.ready(index, data, len(data))
+            sends.append(going)
+    coming = {src: Incoming(group, src, h) for src, h in headers.items() if int(h[0]) == 1}
     out: dict[int, Bundle | None] = {}
     for src in incoming:
-        got = buffers.get(src)
-        out[src] = None if got is None else Bundle(_bytes(got[0]), [_bytes(t) for t in got[1:]])
+        told = None if arrived is None else functools.partial(arrived, src)
+        out[src] = coming[src].arrive(told) if src in coming else None
+    for going in sends:
+        going.wait()
     return out
+
+
+def _header_of(bundle: Bundle | None) -> torch.Tensor:
+    if bundle is None:
+        return header(None, [])
+    return header(bundle.seal, [len(data) for data in bundle.contents])
 
 
 def _receiving(size: int) -> torch.Tensor:

@@ -42,7 +42,16 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt.engine import non_finite
 from lightning_mcore_ckpt.fast import files
-from lightning_mcore_ckpt.fast.peers import Bundle, Data, Landing, NodeMap, exchange
+from lightning_mcore_ckpt.fast.peers import (
+    Bundle,
+    Data,
+    Incoming,
+    Landing,
+    NodeMap,
+    Outgoing,
+    handshake,
+    header,
+)
 
 __all__ = ["Recovery", "recover"]
 
@@ -156,16 +165,19 @@ def recover(
     for step in candidates:
         holders = _holders(inventories, nodes, step, world, replicas)
         held: dict[int, Bundle] = {}  # the copies this rank read and checked, by owner
+        arriving: list[Incoming] = []  # this rank's copy on its way from a peer
         checked = (
             _foreign(inventories, step)
             or _unheld(holders)
-            or _checked_sources(root, step, holders, rank, group, check_finite, keep, held)
+            or _checked_sources(
+                root, step, holders, rank, group, check_finite, keep, held, arriving
+            )
         )
         writing: list[tuple[int, Landing]] = []
         problem = (
             checked
             if isinstance(checked, str)
-            else _fetch(root, step, checked, rank, group, held, writing)
+            else _fetch(root, step, checked, rank, group, held, writing, arriving)
         )
         found = Recovery(step, None, {}, outcome.skipped, writing=writing, timeout_s=timeout_s)
         if problem is None and not keep and not isinstance(checked, str):
@@ -257,10 +269,14 @@ def _checked_sources(
     check_finite: bool,
     keep: bool,
     held: dict[int, Bundle],
+    arriving: list[Incoming],
 ) -> dict[int, int] | str:
     """Per rank, the first holder whose copy hashes to its seal (and, with ``check_finite``,
     holds no NaN or infinity); or why there is none. Each copy this rank checks is read once;
-    ``held`` gets, by owner, the bytes of those it will send or (``keep``) load itself."""
+    ``held`` gets, by owner, the bytes of those it will (``keep``) load itself. A copy that
+    goes to another node is sent as its holder reads it, while it is checked (:func:`_streams`);
+    ``arriving`` gets this rank's own copy on its way, once its holder's check found it whole.
+    """
     directory = files.step_dir(root, step)
     tried = {owner: 0 for owner in holders}
     problems: dict[int, list[str]] = {owner: [] for owner in holders}
@@ -270,6 +286,7 @@ def _checked_sources(
             failed = sorted(o for o in holders if o not in asked)
             why = "; ".join(p for o in failed for p in problems[o])
             return f"no whole copy of rank(s) {failed}'s files: {why}"
+        outgoing, incoming = _streams(directory, asked, rank, group)
         mine = _check_all(
             directory,
             [o for o, h in asked.items() if h == rank],
@@ -277,16 +294,72 @@ def _checked_sources(
             check_finite,
             keep,
             held,
+            outgoing,
         )
+        for owner, going in outgoing.items():
+            going.wait()  # taken by its owner: this rank keeps no copy it sent
+            held.pop(owner, None)
+        if incoming is not None:
+            incoming.take()  # hashed piece by piece as the holder reads and sends it
         verdicts: dict[int, str | None] = {}
         for found in _gather(mine, group):
             verdicts.update(found)
         bad = {o: v for o, v in verdicts.items() if v is not None}
         if not bad:
+            arriving.extend([incoming] if incoming is not None else [])
             return asked
+        if incoming is not None:
+            incoming.drain()
         for owner, why in bad.items():
             problems[owner].append(f"the copy on rank {asked[owner]}'s node: {why}")
             tried[owner] += 1
+
+
+def _streams(
+    directory: Path, asked: dict[int, int], rank: int, group: Any
+) -> tuple[dict[int, Outgoing], Incoming | None]:
+    """Start moving the copies that go to another node this round (point to point between
+    each holder and owner): this rank's outgoing ones, by owner, their headers sent from
+    their seals (a seal this rank cannot use announces nothing: the copy's check says why),
+    to be sent as they are read (:func:`_check_all`); and its own copy's receives, posted,
+    where a peer holds it."""
+    sending = [o for o, h in asked.items() if h == rank and o != rank]
+    source = asked.get(rank, rank)
+    receiving = [source] if source != rank else []
+    if not sending and not receiving:
+        return {}, None
+    seals = {o: _seal_and_sizes(directory, o) for o in sending}
+    announcements = []
+    for owner, found in seals.items():
+        seal, sizes = found if found is not None else (None, [])
+        announcements.append((owner, header(seal, sizes)))
+    headers = handshake(group, announcements, receiving)
+    outgoing = {o: Outgoing(group, o, *found) for o, found in seals.items() if found}
+    announced = headers.get(source)
+    incoming = None
+    if announced is not None and int(announced[0]) == 1:
+        incoming = Incoming(group, source, announced)
+    return outgoing, incoming
+
+
+def _seal_and_sizes(directory: Path, owner: int) -> tuple[bytes, list[int]] | None:
+    """Rank ``owner``'s seal in ``directory`` and the sizes of the files it names, in order, as
+    they are on this node's disk and in the seal; or ``None`` where the seal is missing, torn or
+    another rank's, names a file the rank may not have, one missing or of another size, or
+    more files than a copy carries (the check of the copy says what is wrong)."""
+    try:
+        seal = (directory / files.seal_name(owner)).read_bytes()
+        record = files.parse_seal(seal)
+        if record is None or record.get("rank") != owner:
+            return None
+        paths = files.sealed_paths(directory, record, owner)
+        sizes = [paths[name].stat().st_size for name in record["files"]]
+        if sizes != [entry["size"] for entry in record["files"].values()]:
+            return None
+        header(seal, sizes)
+    except (OSError, ValueError, KeyError, TypeError):  # UnsafeNameError too
+        return None
+    return seal, sizes
 
 
 def _check_all(
@@ -296,11 +369,12 @@ def _check_all(
     check_finite: bool,
     keep: bool,
     held: dict[int, Bundle],
+    outgoing: dict[int, Outgoing],
 ) -> dict[int, str | None]:
     """What is wrong with each of ``owners``' copies in ``directory`` (``None``: whole,
     unchanged and, with ``check_finite``, finite): the copies this rank holds for them, each
     read once. A good copy's bytes go to ``held`` when this rank loads it (its own, with
-    ``keep``) or sends it (another rank's).
+    ``keep``) or sends it (another rank's, ``outgoing``: sent piece by piece as it is read).
 
     Several copies are read at once, a thread each: a node that serves a replaced node's copies
     reads them and its own, and one stream of reads leaves the disk idle between its requests,
@@ -308,22 +382,33 @@ def _check_all(
     in the thread that reads it). The content check and what is kept are done here, after."""
     keeps = {o: check_finite or keep or o != rank for o in owners}
     if len(owners) < 2:
-        found = {o: _read(directory, o, keeps[o]) for o in owners}
+        found = {o: _read(directory, o, keeps[o], outgoing.get(o)) for o in owners}
     else:
         with ThreadPoolExecutor(len(owners), thread_name_prefix="lmc-fast-check") as pool:
-            reading = {o: pool.submit(_read, directory, o, keeps[o]) for o in owners}
+            reading = {
+                o: pool.submit(_read, directory, o, keeps[o], outgoing.get(o)) for o in owners
+            }
             found = {o: f.result() for o, f in reading.items()}
     return {
         o: _judge(directory, o, found[o], check_finite, keep or o != rank, held) for o in owners
     }
 
 
-def _read(directory: Path, owner: int, keep: bool) -> tuple[bytes, list[Data]] | str | None:
+def _read(
+    directory: Path, owner: int, keep: bool, going: Outgoing | None = None
+) -> tuple[bytes, list[Data]] | str | None:
     """Rank ``owner``'s copy in ``directory`` read and hashed against its seal: its seal and
-    files' bytes (``keep``), or what is wrong, or ``None`` (whole and unchanged, not kept)."""
-    if not keep:
+    files' bytes (``keep``), or what is wrong, or ``None`` (whole and unchanged, not kept).
+    ``going``: the copy is sent on as it is read, against the seal its header announced."""
+    if going is not None:
+        try:
+            found = files.read_checked(directory, owner, bytes(going.seal), going.ready)
+        finally:
+            going.close()  # whatever the read did not reach: the receiver's pieces complete
+    elif not keep:
         return files.verify(directory, owner)  # nothing to keep: hashed as it streams by
-    found = files.read_checked(directory, owner)
+    else:
+        found = files.read_checked(directory, owner)
     return found if isinstance(found, str) else (found[0], list[Data](found[1]))
 
 
@@ -375,40 +460,39 @@ def _fetch(
     group: Any,
     held: dict[int, Bundle],
     writing: list[tuple[int, Landing]],
+    arriving: list[Incoming],
 ) -> str | None:
-    """Bring each rank's copy to its own node where it comes from another (collective): the
-    holder sends the bytes it checked (``held``); the owner checks each file against the seal
-    as it arrives and queues it to be written into its node's directory (:class:`Landing`),
-    and keeps the bytes in ``held``. The problem with a copy, the same on every rank, or
-    ``None``. The writes go on: ``writing`` gets them (by source), to be joined
+    """Take each rank's copy where it comes from another node (collective): its holder sent
+    it while checking it (:func:`_checked_sources`, ``arriving``); the owner checks each file
+    against the seal as it arrives and queues it to be written into its node's directory
+    (:class:`Landing`), and keeps the bytes in ``held``. The problem with a copy, the same on
+    every rank, or ``None``. The writes go on: ``writing`` gets them (by source), to be joined
     (:meth:`Recovery.settle`) when no copy was refused, else after their last queued file."""
     directory = files.step_dir(root, step)
-    moves = [(owner, source) for owner, source in sources.items() if owner != source]
+    source = sources.get(rank, rank)
     error = None
-    outgoing = [(owner, held.pop(owner, None)) for owner, source in moves if source == rank]
-    incoming = [source for owner, source in moves if owner == rank]
-    landings: dict[int, Landing] = {}
+    landings: list[Landing] = []
+    incoming = arriving.pop() if arriving else None
 
-    def arrived(source: int, index: int, count: int, data: Data) -> None:
+    def arrived(index: int, count: int, data: Data) -> None:
         if index == 0:
-            landings[source] = Landing(directory, rank, count)
-        landings[source].arrived(index, data)
+            landings.append(Landing(directory, rank, count))
+        assert incoming is not None
+        landings[-1].arrived(index, data, incoming.digest(index))
 
-    try:
-        received = exchange(group, outgoing, incoming, arrived) if moves else {}
-    except BaseException:
-        for landing in landings.values():
-            landing.abandon()
-        raise
-    del outgoing  # sent: their memory goes
-    for source, bundle in received.items():
+    if source != rank:
         try:
-            if bundle is None:
+            if incoming is None:
                 raise ValueError(f"rank {source} could not read it")
-            landing = landings[source]
-            writing.append((source, landing))
+            try:
+                incoming.arrive(arrived)
+            except BaseException:
+                for landing in landings:
+                    landing.abandon()
+                raise
+            writing.append((source, landings[-1]))
             # Checked on arrival: the state is loaded from these bytes only if they matched.
-            held[rank] = landing.finish()
+            held[rank] = landings[-1].finish()
         except ValueError as err:
             error = (
                 f"rank {rank} ({socket.gethostname()}) fetching its files from rank {source}: {err}"

@@ -127,6 +127,20 @@ def hash_file(path: str | os.PathLike[str]) -> str:
     return _digest(hasher)
 
 
+class Hasher:
+    """The digest of bytes given piece by piece, in order (as :func:`hash_bytes` of them all)."""
+
+    def __init__(self) -> None:
+        self._hasher = _new()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._hasher.update(data)
+
+    @property
+    def digest(self) -> str:
+        return _digest(self._hasher)
+
+
 def hash_bytes(data: bytes | bytearray | memoryview) -> str:
     """The digest of ``data`` (as :func:`hash_file` of a file holding it)."""
     hasher = _new()

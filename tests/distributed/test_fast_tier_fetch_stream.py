@@ -21,6 +21,7 @@ directory is empty), rank 1's node holds both ranks' files of fast steps 10 and 
 from __future__ import annotations
 
 import io
+import itertools
 import threading
 from pathlib import Path
 from typing import Any
@@ -84,18 +85,44 @@ def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str,
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0x01
             path.write_bytes(bytes(data))
-        if case == "altered-on-the-way":  # after the holder checked it: the receiver must see
-            exchange = recovery.exchange
+        if case == "altered-on-the-way":  # after the holder hashed it: the receiver must see
+            ready = peers.Outgoing.ready
 
-            def altering(group: Any, outgoing: Any, incoming: Any, arrived: Any = None) -> Any:
-                for _, bundle in outgoing:
-                    state = bundle.contents[0]
-                    state[len(state) // 2] ^= 0x01
-                recovery.exchange = exchange  # the older step's copy goes unaltered
-                return exchange(group, outgoing, incoming, arrived)
+            def altering(self: Any, index: int, data: Any, done: int) -> None:
+                if index == 0 and done == len(data):  # the first file, read and hashed whole
+                    data[len(data) // 2] ^= 0x01
+                    peers.Outgoing.ready = ready  # type: ignore[method-assign]
+                ready(self, index, data, done)  # the older step's copy goes unaltered
 
-            recovery.exchange = altering  # type: ignore[assignment]
-    out: dict[str, Any] = {}
+            peers.Outgoing.ready = altering  # type: ignore[method-assign]
+    events: list[tuple[str, int, int]] = []
+    if case in ("streamed", "stops-short"):  # pieces and reads of 1 MiB: 4 in a state file
+        peers.PIECE = files._CHUNK = 1 << 20
+    if rank == 1 and case == "streamed":  # the holder's reads and sends, in order
+        send, progress = peers.Outgoing._send, peers.Outgoing.ready
+
+        def sent(self: Any, data: Any) -> None:
+            events.append(("sent", self.dst, len(data)))
+            send(self, data)
+
+        def read(self: Any, index: int, data: Any, done: int) -> None:
+            events.append(("read", index, done))
+            progress(self, index, data, done)
+
+        peers.Outgoing._send = sent  # type: ignore[method-assign]
+        peers.Outgoing.ready = read  # type: ignore[method-assign]
+    if rank == 1 and case == "stops-short":  # the state file's read fails after 1 MiB
+        read_hashed = files._read_hashed
+
+        def failing(path: Path, size: int, keep: bool, progress: Any = None) -> Any:
+            if path.name != files.files_of(0)[0] or f"_{NEWEST}" not in str(path):
+                return read_hashed(path, size, keep, progress)
+            data = bytearray(size)
+            progress(data, 1 << 20)
+            return f"{path} ended after {1 << 20} of {size} bytes (torn)"
+
+        files._read_hashed = failing  # type: ignore[assignment]
+    out: dict[str, Any] = {"events": events}
     if rank == 0 and case.startswith("write-blocked"):
         # ``extra`` is a file where the copy's ``extra/`` directory goes: the state file is
         # written, the extra file cannot be.
@@ -162,6 +189,40 @@ def test_an_altered_byte_in_the_holders_copy_falls_back_on_every_rank(
     why = "does not match its seal's digest" if case == "altered-on-disk" else "does not match"
     assert why in zero["skipped"][0], zero["skipped"]
     # The altered copy was never sealed on the receiving node; the older step's is whole.
+    assert zero["mine"][NEWEST] is None
+    assert zero["verified"][OLDER] is None and zero["mine"][OLDER] == one["sent"][OLDER]
+    assert zero["loaded"] == OLDER
+
+
+def test_the_holder_sends_each_piece_as_soon_as_it_has_read_it(tmp_path: Path) -> None:
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "streamed")
+    assert zero["step"] == one["step"] == NEWEST
+    assert zero["mine"][NEWEST] == one["sent"][NEWEST] and zero["loaded"] == NEWEST
+    # The state file (4 MiB and torch.save's zip around it, read 1 MiB at a time) goes as it
+    # is read: a whole piece is sent after each read, before the next; not the file after.
+    name = files.files_of(0)[0]
+    seal = files.parse_seal(one["sent"][NEWEST][files.seal_name(0)])
+    assert seal is not None
+    index, size = list(seal["files"]).index(name), len(one["sent"][NEWEST][name])
+    reads = [e for e in one["events"] if e[0] == "read" and e[1] == index]
+    assert [done for _, _, done in reads] == [*range(1 << 20, size, 1 << 20), size]
+    events = one["events"]
+    for before, after in itertools.pairwise(reads):
+        between = events[events.index(before) + 1 : events.index(after)]
+        assert ("sent", 0, 1 << 20) in between, events
+
+
+def test_a_read_that_stops_short_still_completes_every_piece_and_falls_back(
+    tmp_path: Path,
+) -> None:
+    # The holder's read of the copy it streams fails after its first piece: the pieces it
+    # never read go as zeros (the receiver's receives complete; nothing is left in flight to
+    # be taken for the next copy), the step is ruled out on every rank for the holder's reason,
+    # and the older step's copy, fetched next over the same link, arrives whole.
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "stops-short")
+    for got in (zero, one):
+        assert got["step"] == OLDER, got["skipped"]
+        assert len(got["skipped"]) == 1 and "(torn)" in got["skipped"][0]
     assert zero["mine"][NEWEST] is None
     assert zero["verified"][OLDER] is None and zero["mine"][OLDER] == one["sent"][OLDER]
     assert zero["loaded"] == OLDER

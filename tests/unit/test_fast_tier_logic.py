@@ -547,3 +547,76 @@ def test_a_fast_tier_beside_the_persistent_directory_is_taken(tmp_path: Path) ->
     assert sibling.config.fast_tier is not None
     with pytest.raises(ConfigurationError, match=r"fast_tier=.*FastTier\(dir=\.\.\.\)"):
         MegatronCheckpoint(dirpath=persistent, fast_tier={"dir": str(tmp_path / "f")})
+
+
+class _Sent:
+    """What :class:`~lightning_mcore_ckpt.fast.peers.Outgoing` hands to ``dist.isend``, in
+    order: the bytes of each send (a unit test of the pieces' order, without a process group)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from lightning_mcore_ckpt.fast import peers
+
+        self.sends: list[bytes] = []
+
+        class Done:
+            def wait(self) -> None:
+                return None
+
+        def isend(tensor: Any, dst: int, group: Any) -> Done:
+            self.sends.append(bytes(tensor.numpy().tobytes()))
+            return Done()
+
+        monkeypatch.setattr(peers.dist, "isend", isend)
+        monkeypatch.setattr(peers, "PIECE", 4)
+
+
+def test_a_copy_goes_piece_by_piece_as_its_bytes_are_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Files of 10, 0 and 5 bytes in pieces of 4: the seal at once; each piece once all its
+    # bytes are ready, in order; an empty file sends nothing; a file's pieces only once the
+    # file before it has gone whole.
+    from lightning_mcore_ckpt.fast.peers import Outgoing
+
+    sent = _Sent(monkeypatch)
+    first, third = bytearray(b"abcdefghij"), bytearray(b"vwxyz")
+    going = Outgoing(None, 1, b"seal", [10, 0, 5])
+    assert sent.sends == [b"seal"]
+    going.ready(0, first, 3)  # no whole piece yet
+    assert sent.sends == [b"seal"]
+    going.ready(0, first, 9)
+    assert sent.sends == [b"seal", b"abcd", b"efgh"]
+    going.ready(2, third, 5)  # the first file is not whole: nothing of the third goes yet
+    assert sent.sends == [b"seal", b"abcd", b"efgh"]
+    going.ready(0, first, 10)
+    going.ready(2, third, 5)
+    assert sent.sends == [b"seal", b"abcd", b"efgh", b"ij", b"vwxy", b"z"]
+    going.close()  # everything went: nothing more
+    assert len(sent.sends) == 6
+
+
+def test_a_copy_whose_read_stopped_sends_zeros_for_every_piece_not_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_mcore_ckpt.fast.peers import Outgoing
+
+    sent = _Sent(monkeypatch)
+    going = Outgoing(None, 1, b"seal", [10, 0, 5])
+    going.ready(0, bytearray(b"abcdefghij"), 5)
+    going.close()
+    # The receiver expects 10 + 5 bytes in pieces of 4, 4, 2, 4, 1: what was not read is zeros.
+    assert sent.sends == [b"seal", b"abcd", b"\0" * 4, b"\0" * 2, b"\0" * 4, b"\0"]
+
+
+@pytest.mark.parametrize(
+    "announced", [[1, 2, 5, 10, -1], [1, 9, 5, *[1] * 9]], ids=["negative size", "too many files"]
+)
+def test_a_copy_announced_out_of_bounds_is_refused_before_anything_is_received(
+    announced: list[int],
+) -> None:
+    import torch
+
+    from lightning_mcore_ckpt.fast.peers import Incoming
+
+    header = torch.zeros(11, dtype=torch.int64)
+    header[: len(announced[:11])] = torch.tensor(announced[:11])
+    with pytest.raises(ValueError, match="rank 3 announced a copy of"):
+        Incoming(None, 3, header)

@@ -15,7 +15,12 @@ directory is empty), rank 1's node holds both ranks' files of fast steps 10 and 
   files it has not written, and is told on every rank (with ``keep``, by ``settle``; without,
   the step is ruled out as before);
 - the load does not wait for the write: the state file's write is held until the test has
-  loaded the state from the received bytes (an ordering, not a time).
+  loaded the state from the received bytes (an ordering, not a time);
+- the copy travels as its holder reads it: each piece sent right after the read that completed
+  it; a read that stops short still completes every piece announced, so the older step's copy
+  then travels whole over the same link;
+- one holder serving two replaced nodes at once (three processes, ``replicas=2``), a reading
+  thread each: both copies arrive whole and sealed.
 """
 
 from __future__ import annotations
@@ -266,3 +271,46 @@ def test_the_state_is_loaded_before_the_fetched_copy_is_written(tmp_path: Path) 
     assert zero["order"][-1] == f"wrote {files.seal_name(0)}"
     assert zero["settled"] is None and zero["verified"][NEWEST] is None
     assert zero["mine"][NEWEST] == one["sent"][NEWEST]
+
+
+def _one_holder_for_two(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Three nodes of one rank, each rank's copies on the next two nodes (``replicas=2``);
+    nodes 0 and 1 replaced: rank 2 holds all three ranks' files and serves two copies at once
+    (a reading thread each, pieces of 1 MiB), while checking its own."""
+    import torch.distributed as dist
+
+    from lightning_mcore_ckpt.fast import peers, recovery
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    peers.PIECE = files._CHUNK = 1 << 20
+    root = Path(tmp) / f"node{rank}"
+    root.mkdir(parents=True, exist_ok=True)
+    if rank == 2:
+        _write_step(root, NEWEST, [0, 1, 2], world_size)
+    dist.barrier()
+    nodes = NodeMap(((0,), (1,), (2,)))
+    found = recovery.recover(root, nodes, rank, 2, None, dist.group.WORLD, keep=True)
+    assert found.held is not None
+    state = torch.load(io.BytesIO(bytes(found.held.named()[files.files_of(rank)[0]])))
+    settled = found.settle(dist.group.WORLD)
+    dist.barrier()
+    return {
+        "step": found.step,
+        "sources": found.sources,
+        "loaded": float(state["w"][0]),
+        "settled": settled,
+        "copies": {r: _copy(root, NEWEST, r) for r in range(world_size)},
+        "verified": files.verify(files.step_dir(root, NEWEST), rank),
+    }
+
+
+def test_one_holder_serves_two_replaced_nodes_at_once(tmp_path: Path) -> None:
+    got = run_distributed(_one_holder_for_two, 3, str(tmp_path))
+    holder = got[2]
+    for rank, mine in enumerate(got):
+        assert mine["step"] == NEWEST and mine["settled"] is None
+        assert mine["sources"] == {0: 2, 1: 2, 2: 2}
+        assert mine["loaded"] == NEWEST + rank * 0.5
+        # Each replaced node's copy is the holder's, byte for byte, sealed on its node.
+        assert mine["copies"][rank] == holder["copies"][rank] and mine["verified"] is None

@@ -9,9 +9,10 @@ creates: ``torchrun``'s, Lightning's), and a rank whose error is a peer's silenc
 :data:`ROLL_CALL_S` for the others' answers, then adds a note to its error naming the nodes (with
 their host names, recorded at setup) none of whose ranks answered. When the store itself does not
 answer (it lives on global rank 0's node), the note says so: then that node is the silent one.
-Global rank 0, whose process serves the store, returns only once every rank that answered has
-finished reading it (bounded): its exit would otherwise close the store under the others' feet
-and read to them as a silent node 0.
+Global rank 0, whose process serves the store, returns only once every rank of every node that
+answered has answered and finished reading it (bounded): a rank of a live node may fail later
+than rank 0 (another collective's timeout), and rank 0's exit would otherwise close the store
+under its feet and read to it as a silent node 0.
 
 No collective: a store key per node written at setup, an answer and a count per rank at the
 failure, each call bounded (a daemon thread joined with a timeout: a TCPStore client's calls
@@ -128,12 +129,26 @@ def _answer(
         done = store.add(f"{key}/done", 1)
         if rank == 0:  # the store lives in this process: it stays until the others are done
             deadline = time.monotonic() + wait_s + STORE_S
-            while done < store.add(f"{key}/count", 0) and time.monotonic() < deadline:
+            while done < _expected(store, key, nodes, ranks_per_node, wait) and (
+                time.monotonic() < deadline
+            ):
                 time.sleep(_POLL_S)
                 done = store.add(f"{key}/done", 0)
     except Exception as err:  # noqa: BLE001 - the store's own failure is the finding
         return _store_silent(f"{type(err).__name__}: {err}") if wait else None
     return finding
+
+
+def _expected(store: Any, key: str, nodes: int, ranks_per_node: int, silence: bool) -> int:
+    """The ranks global rank 0 keeps the store up for: those that answered and, after a peer's
+    ``silence``, every rank of each node where a rank answered (that node is up: its other
+    ranks are coming, perhaps from a later timeout, and the store's closing would read to them
+    as a silent node 0)."""
+    answered = store.add(f"{key}/count", 0)
+    if not silence:
+        return answered
+    answering = sum(1 for n in range(nodes) if store.check([f"{key}/node/{n}"]))
+    return max(answering * ranks_per_node, answered)
 
 
 def _host(store: Any, node: int) -> str:

@@ -170,11 +170,16 @@ def test_which_errors_are_a_peers_silence(error: BaseException, silence: bool) -
         assert roll_call.is_peer_silence(outer) is silence  # found through the cause
 
 
+@pytest.mark.parametrize(
+    "delay", [1.0, WAIT_S + 1.0], ids=["a moment later", "after rank 0's whole wait"]
+)
 def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are_done(
-    store: TCPStore,
+    store: TCPStore, delay: float
 ) -> None:
     """Rank 0 answers first and would exit, closing the store, while rank 1 (its error a moment
-    later) still reads it: rank 1 would then blame node 0. Rank 0 waits for it to finish."""
+    later, or later than rank 0's whole wait: another collective's timeout) still reads it, or
+    has not come yet: rank 1 would then blame node 0. Rank 0 waits for every rank of a node
+    that answered (bounded)."""
     roll_call.register_host(_client(store), 1)
     ended: dict[int, float] = {}
     last_use: dict[int, float] = {}
@@ -195,9 +200,11 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
 
             return call
 
+    found: dict[int, str | None] = {}
+
     def one(rank: int, delay: float) -> None:
         time.sleep(delay)
-        roll_call.answer(
+        found[rank] = roll_call.answer(
             Timed(rank),
             generation=1,
             rank=rank,
@@ -210,7 +217,7 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
 
     threads = [
         threading.Thread(target=one, args=(0, 0.0)),
-        threading.Thread(target=one, args=(1, 1.0)),
+        threading.Thread(target=one, args=(1, delay)),
     ]
     for t in threads:
         t.start()
@@ -219,3 +226,4 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
     # Node 1 (ranks 2, 3) silent: both waited; rank 0 returned only once rank 1's last call to
     # the store (its "done") had returned: rank 1 was done with the store rank 0 serves.
     assert ended[0] >= last_use[1], (ended, last_use)
+    assert "node 1" in (found[1] or "") and "store" not in (found[1] or ""), found

@@ -42,21 +42,21 @@ class Layouts:
     def __init__(self) -> None:
         self._parsed: dict[tuple[int, bytes], Layout] = {}
         self._lock = threading.Lock()
-        self.parses = 0
 
     def of(self, record: Record, data_start: int | None) -> Layout:
         """``record``'s layout. ``data_start`` is where its head says the data start (``None``:
         it does not say); the layout is looked up under the bytes in front of that place."""
         if data_start is not None:
+            key = (data_start, record.serve(0, data_start))
             with self._lock:
-                known = self._parsed.get((data_start, record.serve(0, data_start)))
+                known = self._parsed.get(key)
             if known is not None:
                 return known
         tensor = torch.load(record.view(), map_location="meta", weights_only=True)
         start = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
         layout = Layout(tensor, start)
-        with self._lock:
-            self.parses += 1
-            if start is not None and 0 < start <= record.length:
-                self._parsed[(start, record.serve(0, start))] = layout
+        if start is not None and 0 < start <= record.length:
+            key = (start, record.serve(0, start))
+            with self._lock:
+                self._parsed[key] = layout
         return layout

@@ -292,7 +292,18 @@ a holder sends each piece as soon as it has read it (:class:`Outgoing`)."""
 
 def _pieces(size: int) -> list[tuple[int, int]]:
     """``(start, length)`` of each piece of a file of ``size`` bytes."""
-    return [(begin, min(PIECE, size - begin)) for begin in range(0, size, PIECE)]
+    return [_piece(size, k) for k in range(_count(size))]
+
+
+def _piece(size: int, k: int) -> tuple[int, int]:
+    """``(start, length)`` of piece ``k`` of a file of ``size`` bytes."""
+    begin = k * PIECE
+    return begin, min(PIECE, size - begin)
+
+
+def _count(size: int) -> int:
+    """How many pieces a file of ``size`` bytes travels in."""
+    return -(-size // PIECE)
 
 
 def header(seal: Data | None, sizes: list[int]) -> torch.Tensor:
@@ -340,7 +351,7 @@ class Outgoing:
         its whole pieces among them not sent yet is sent."""
         view = memoryview(data)
         while self._file == index:
-            begin, length = _pieces(self.sizes[index])[self._piece]
+            begin, length = _piece(self.sizes[index], self._piece)
             if begin + length > done:
                 return
             self._send(view[begin : begin + length])
@@ -350,7 +361,7 @@ class Outgoing:
         """Zeros in place of every piece not sent yet, in order."""
         zeros = None
         while self._file < len(self.sizes):
-            _, length = _pieces(self.sizes[self._file])[self._piece]
+            _, length = _piece(self.sizes[self._file], self._piece)
             zeros = zeros if zeros is not None else bytearray(min(PIECE, max(self.sizes)))
             self._send(memoryview(zeros)[:length])
             self._advance()
@@ -367,7 +378,7 @@ class Outgoing:
 
     def _advance(self) -> None:
         self._piece += 1
-        if self._piece == len(_pieces(self.sizes[self._file])):
+        if self._piece == _count(self.sizes[self._file]):
             self._file, self._piece = self._file + 1, 0
             self._skip_empty()
 

@@ -32,6 +32,17 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / MiB:.0f}"
 
 
+def _planned_ahead(figure: dict[str, Any]) -> str:
+    """Where the first save's planning went: made after the first optimizer step."""
+    seconds = figure.get("planned_ahead_s")
+    if not seconds:
+        return ""
+    return (
+        f" Its plans were made after the first optimizer step, in {seconds:.3f} s (once per "
+        "run, outside every save)."
+    )
+
+
 def _parts_lines(parts: dict[str, float] | None, what: str) -> list[str]:
     """One line: ``what`` by part (the slowest rank's), in ms, the parts that took any time."""
     if not parts:
@@ -211,7 +222,8 @@ def _run_table(run_: dict[str, Any]) -> tuple[list[str], list[Check]]:
         lines += [
             "",
             "Our rows are the steady state (every save but the first). The first save: sync "
-            f"{sync['first_save_s']:.3f} s; async blocking {asy['first_blocking_s']:.3f} s.",
+            f"{sync['first_save_s']:.3f} s; async blocking {asy['first_blocking_s']:.3f} s."
+            + _planned_ahead(sync),
             "",
             f"Where a sync save's {sync_save:.3f} s go: {write:.3f} s writing shards and extra "
             f"state (the slowest rank), {sync_save - write:.3f} s planning, staging, finalising "

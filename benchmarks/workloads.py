@@ -454,6 +454,8 @@ def _our_fit(
             "write_s": _summary([m["write_time_s"] for m in steady]),
             "first_save_s": metas[0]["total_time_s"],
             "first_blocking_s": metas[0]["blocking_time_s"],
+            # The first save's plans, made after the first optimizer step (None: not made).
+            "planned_ahead_s": trainer.strategy._writer.planned_ahead_s,
             "bytes": metas[-1]["size_bytes"],
             "writer": metas[-1].get("writer", writer),
             # The blocking time by part (medians of the steady saves; the first save apart).

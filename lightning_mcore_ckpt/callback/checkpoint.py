@@ -483,6 +483,12 @@ class MegatronCheckpoint(ModelCheckpoint):
             self._save_final(trainer)
         elif not (epoch_ends or ends_here):
             self._fast_save(trainer)
+        if not ends_here:
+            # Once, after the first optimizer step (its state exists): the first save's plans
+            # made now, as the later saves' are kept (a no-op once any save planned).
+            strategy = trainer.strategy
+            assert isinstance(strategy, MegatronStrategy)
+            strategy.plan_saves_ahead(self.save_contents)
 
     def _fast_save(self, trainer: pl.Trainer) -> None:
         """The fast tier's save of this step, when it is due and the persistent tier did not

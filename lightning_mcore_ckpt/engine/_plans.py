@@ -63,6 +63,11 @@ class SavePlans:
         the one validated when they were made, so the save need not validate it again (a
         gather of every rank's shard metadata)."""
 
+    @property
+    def kept(self) -> bool:
+        """Whether plans are kept (a save, or planning ahead, made them)."""
+        return bool(self._kept)
+
     def strategies(
         self, parts: Sequence[tuple[str, dict[str, Any]]], device: torch.device
     ) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,6 +115,8 @@ class CheckpointWriter:
         """Host bytes staged at once by a save (``None``: every tensor at once); see
         :mod:`~lightning_mcore_ckpt.engine._staging`."""
         self.plans = SavePlans(self._strategy, enabled=cache_plans)
+        self.planned_ahead_s: float | None = None
+        """Seconds :meth:`plan_ahead` took (``0.0`` when it failed; ``None``: not tried)."""
         self._async_queue: Any = None
         self._pending: PendingSave | None = None
         self._listeners: list[SaveListener] = []
@@ -236,18 +239,10 @@ class CheckpointWriter:
         """Build the sharded state dicts of ``model/`` and ``optim/``, plan and stage their
         shards: the write request (inline or in the background), the tensor its writers time
         themselves into, and the optimizer's sharding. Each phase is marked on ``timed``."""
-        parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
         own = self.writer == _compat.THREADS
         if own and self.shards.dedup is not None:
             self.shards.dedup.frozen = frozen_storages(state.module)
-        if "model" in contents:
-            parts.append((state.model_sharded_state_dict(), path / MODEL_DIR, None))
-        timed.mark("model_state_dict")
-        sharding = None
-        if "optimizer" in contents and state.optimizers:
-            optim_ssd, optim_meta, sharding = optimizers_to_save(state)
-            parts.append((optim_ssd, path / OPTIM_DIR, optim_meta))
-        timed.mark("optimizer_state_dict")
+        parts, sharding = _sharded_parts(path, contents, state, timed)
         for ssd, sub in ((ssd, d.name) for ssd, d, _ in parts):
             self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
         strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
@@ -264,6 +259,47 @@ class CheckpointWriter:
             request = combine_async_requests([r for _, r in requests], write_timer)
         timed.mark("staging")
         return request, write_timer, sharding
+
+    def plan_ahead(self, contents: Sequence[str], state: TrainingState) -> bool:
+        """Plan the first save now (after the first optimizer step, at setup in effect), so
+        that it costs what the later ones do: Megatron-Core's planning, its check that the
+        ranks' shards cover every tensor once, and the fully parallel save's assignment of
+        replicated tensors, made and kept as a save would (:class:`~._plans.SavePlans`).
+
+        Collective (every rank, at the same point). Plans twice into a scratch directory of
+        this rank's (Megatron-Core keeps a plan once two saves planned it alike) and writes
+        nothing else: the requests are dropped unwritten and the directory removed. The first
+        save then reuses the plans while every rank's structure is still the one planned (its
+        fingerprint is compared, as at every save), else plans afresh. Does nothing with plans
+        not kept (``cache_plans=False``), once plans are kept, or after a first attempt. A
+        failure on any rank is logged on rank 0 and leaves the first save to plan itself.
+        Returns whether it planned.
+        """
+        if not self.plans.enabled or self.plans.kept or self.planned_ahead_s is not None:
+            return False
+        start = time.perf_counter()
+        self.planned_ahead_s = 0.0
+        error: BaseException | None = None
+        with tempfile.TemporaryDirectory(prefix="lmc-plan-ahead-") as scratch:
+            try:
+                for attempt in ("first", "second"):  # Megatron-Core validates the second
+                    parts, _ = _sharded_parts(Path(scratch, attempt), contents, state, None)
+                    for _, directory, _ in parts:
+                        directory.mkdir(parents=True)
+                    named = [(d.name, ssd) for ssd, d, _ in parts]
+                    strategies = self.plans.strategies(named, state.device)
+                    plan_requests(parts, strategies, [], self.writer, not self.plans.reused)
+            except Exception as err:  # noqa: BLE001 - every rank learns of it, then logged
+                error = err
+        headline = "planning the first save ahead failed"
+        failure = agree_on_failure(error, Path(scratch), "", state.rank, state.device, headline)
+        if failure is not None:
+            self.plans.forget()
+            if state.rank == 0:
+                log.warning("%s; the first save plans itself", failure)
+            return False
+        self.planned_ahead_s = time.perf_counter() - start
+        return True
 
     def _write_extra_agreed(
         self,
@@ -515,6 +551,26 @@ class CheckpointWriter:
             self._async_queue.close()
             self._async_queue = None
         self.shards.close()
+
+
+def _sharded_parts(
+    path: Path, contents: Sequence[str], state: TrainingState, timed: _Parts | None
+) -> tuple[list[tuple[dict[str, Any], Path, dict[str, Any] | None]], Any]:
+    """The ``(sharded state dict, directory, content metadata)`` of ``model/`` and ``optim/``
+    that a step at ``path`` holds, and the optimizer's sharding; each built part is marked on
+    ``timed``."""
+    parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
+    if "model" in contents:
+        parts.append((state.model_sharded_state_dict(), path / MODEL_DIR, None))
+    if timed is not None:
+        timed.mark("model_state_dict")
+    sharding = None
+    if "optimizer" in contents and state.optimizers:
+        optim_ssd, optim_meta, sharding = optimizers_to_save(state)
+        parts.append((optim_ssd, path / OPTIM_DIR, optim_meta))
+    if timed is not None:
+        timed.mark("optimizer_state_dict")
+    return parts, sharding
 
 
 class _Parts:

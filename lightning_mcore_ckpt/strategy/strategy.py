@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from typing_extensions import override
 from lightning_mcore_ckpt import _cpu
 from lightning_mcore_ckpt._options import keyword_options
 from lightning_mcore_ckpt.engine import (
+    CONTENTS,
     CheckpointReader,
     CheckpointWriter,
     SaveListener,
@@ -693,6 +694,22 @@ class MegatronStrategy(ParallelStrategy):
                 "pass a lightning_mcore_ckpt.strategy.SaveOptions or None"
             )
         self._writer.save(checkpoint, filepath, options, self._training_state())
+
+    def plan_saves_ahead(self, contents: Sequence[str] = CONTENTS) -> bool:
+        """Plan the first save of ``contents`` now, so that it costs what the later ones do.
+
+        Collective: every rank calls it at the same point, after an optimizer step (the
+        optimizer's state exists). ``MegatronCheckpoint`` calls it once, after the first
+        optimizer step of a fit that saved nothing at that step. Writes nothing; does nothing
+        with ``ckpt_cache_plans=False`` or once plans are kept. Returns whether it planned; the
+        seconds it took are logged (rank 0). See ``CheckpointWriter.plan_ahead``.
+        """
+        planned = self._writer.plan_ahead(contents, self._training_state())
+        if planned and self.global_rank == 0:
+            log.info(
+                "planned the first checkpoint save ahead in %.3f s", self._writer.planned_ahead_s
+            )
+        return planned
 
     def add_save_listener(self, listener: SaveListener) -> None:
         """Register ``listener`` to be told how the saves of the paths it owns end."""

@@ -17,6 +17,7 @@ The planner (where each tensor goes) is called under a lock.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import io
 import os
@@ -32,6 +33,7 @@ from torch.futures import Future
 
 from lightning_mcore_ckpt.engine import _record_order
 from lightning_mcore_ckpt.engine._record_layouts import Layout, Layouts
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.storage import remote_files
 
 __all__ = ["ParallelFileSystemReader", "load_strategy", "views_readable"]
@@ -243,19 +245,34 @@ class DeviceBounce:
 _swap_lock = threading.RLock()
 
 
+_checked: contextvars.ContextVar[list[BaseException] | None] = contextvars.ContextVar(
+    "lmc_checked_reads", default=None
+)
+"""Where the torch DCP readers made meanwhile (checked: ``safe_dcp.check_reads``) keep their
+refusals; ``None``: not checked."""
+
+
 @contextlib.contextmanager
-def views_readable() -> Iterator[None]:
+def views_readable(checked: bool = False) -> Iterator[None]:
     """Every torch DCP reader Megatron-Core creates meanwhile reads a view's remote files
-    from its object store (e.g. the common state it reads before the sharded load)."""
+    from its object store (e.g. the common state it reads before the sharded load). With
+    ``checked`` (a load the user did not trust whole), each reads its index and object records
+    through ``safe_dcp.check_reads``: what is unpickled is what was checked, even where a file
+    is replaced after the check before the load. A refusal, this rank's or another's (torch DCP
+    gathers the ranks' read errors), is raised as ``UnsafeCheckpointError`` (the lowest rank's:
+    the same on every rank that learns of it)."""
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
     stock = torch_strategy._get_filesystem_reader
+    refused: list[BaseException] | None = [] if checked else None
 
     def reader(*args: Any, **kwargs: Any) -> Any:
         made = stock(*args, **kwargs)
         if isinstance(made, FileSystemReader):
             made.fs = remote_files.routed_filesystem()
+            if refused is not None:
+                _safe_dcp.check_reads(made, refused)
         return made
 
     # Megatron-Core 0.16 reads the common state from common.pt, without a DCP reader.
@@ -263,11 +280,37 @@ def views_readable() -> Iterator[None]:
     with _swap_lock:
         for module in modules:
             module._get_filesystem_reader = reader
+        token = _checked.set(refused)
         try:
             yield
+        except BaseException as err:
+            refusal = _first_refusal(err, refused or [])
+            if refusal is None:
+                raise
+            raise refusal from err
         finally:
+            _checked.reset(token)
             for module in modules:
                 module._get_filesystem_reader = stock
+
+
+def _first_refusal(err: BaseException, refused: list[BaseException]) -> BaseException | None:
+    """The refusal behind ``err``: the lowest rank's that torch DCP gathered into it, else
+    this rank's own (``refused``); ``None``: it was no refusal."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
+
+    if isinstance(err, UnsafeCheckpointError):
+        return None  # raised as it is
+    if isinstance(err, CheckpointException):
+        for rank, failure in sorted(err.failures.items()):
+            cause: BaseException | None = failure[0] if isinstance(failure, tuple) else failure
+            while cause is not None and not isinstance(cause, UnsafeCheckpointError):
+                cause = cause.__cause__
+            if cause is not None:
+                return UnsafeCheckpointError(f"{cause} (found on rank {rank})")
+    return UnsafeCheckpointError(str(refused[0])) if refused else None
 
 
 @contextlib.contextmanager
@@ -277,7 +320,9 @@ def _parallel_reader(threads: int) -> Iterator[None]:
     stock = torch_strategy._get_filesystem_reader
 
     def reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
-        return ParallelFileSystemReader(checkpoint_dir, threads)
+        made = ParallelFileSystemReader(checkpoint_dir, threads)
+        refused = _checked.get()
+        return made if refused is None else _safe_dcp.check_reads(made, refused)
 
     with _swap_lock:
         torch_strategy._get_filesystem_reader = reader

@@ -269,7 +269,7 @@ class CheckpointReader:
             _safe_dcp.check_dist_checkpoint(path / MODEL_DIR)
         left_out = set(self.check_shapes(path / MODEL_DIR, state, trusted=trusted))
 
-        with views_readable():
+        with views_readable(checked=not trusted):
             loaded = dist_checkpointing.load(
                 _without_keys(state.model_sharded_state_dict(), left_out),
                 str(path / MODEL_DIR),
@@ -304,7 +304,7 @@ class CheckpointReader:
             if not dist_opt.optimizer.state:
                 _optim.init_state(dist_opt.optimizer)
         metadata = self._optimizer_format(directory, state)
-        with views_readable():
+        with views_readable(checked=not trusted):
             loaded = dist_checkpointing.load(
                 optimizer_sharded_state_dict(
                     state.optimizers, state.module, model_ssd, True, metadata

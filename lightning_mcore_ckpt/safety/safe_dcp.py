@@ -15,19 +15,27 @@ Imports nothing from the package but ``_safe_load`` (``layout`` reads indexes th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import importlib
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import remote_files
 
-__all__ = ["COMMON_FILE", "check_dist_checkpoint", "index_extents", "read_dcp_metadata"]
+__all__ = [
+    "COMMON_FILE",
+    "check_dist_checkpoint",
+    "check_reads",
+    "index_extents",
+    "read_dcp_metadata",
+]
 
 COMMON_FILE = "common.pt"
 """Megatron-Core 0.16's common (non-sharded) state of a torch_dist directory."""
@@ -146,23 +154,93 @@ def read_dcp_metadata(directory: str | os.PathLike[str], *, trusted: bool = Fals
     """
     index = Path(directory) / ".metadata"
     with open(index, "rb") as f:
-        if trusted:
-            return pickle.load(f)
-        unpickler = _IndexUnpickler(f)
-        unpickler.refused = []
+        return pickle.load(f) if trusted else _load_index(f, index)
+
+
+def _load_index(f: IO[bytes], where: Any) -> Any:
+    """The index pickled in ``f`` (named ``where`` in errors), with :class:`_IndexUnpickler`."""
+    unpickler = _IndexUnpickler(f)
+    unpickler.refused = []
+    try:
+        return unpickler.load()
+    except pickle.UnpicklingError as err:
+        if not unpickler.refused:
+            raise
+        raise _safe_load.UnsafeCheckpointError(
+            f"refusing to load {where}: this torch.distributed.checkpoint index names "
+            f"{', '.join(unpickler.refused)}, which is not part of such an index (its "
+            "metadata classes, torch.Size, dtypes), so unpickling it could run code. Nothing "
+            "of it was unpickled. A checkpoint written by a newer torch may need a newer "
+            f"lightning-mcore-ckpt. {_safe_load.TRUST_ALL}. See {_safe_load.SECURITY_DOC}"
+        ) from err
+
+
+def check_reads(reader: Any, refused: list[BaseException] | None = None) -> Any:
+    """``reader`` (a torch DCP ``FileSystemReader`` of a load, changed in place) unpickling
+    only what it has checked, from the bytes it unpickles.
+
+    :func:`check_dist_checkpoint` checks a directory before anything of it is loaded; a file
+    replaced after that check would otherwise be unpickled unchecked (torch reads the index
+    with ``pickle.load``, and unpickles each object record with ``weights_only=False``). Here
+    the index is read with the unpickler of :func:`read_dcp_metadata`, and each object record is
+    scanned (``_safe_load.scan``) from the bytes read, right before the planner unpickles them.
+    A refusal raises ``UnsafeCheckpointError`` naming the file or record, and is appended to
+    ``refused``: torch DCP turns an index it cannot read into an ``AssertionError``, and gathers
+    the ranks' read errors into a ``CheckpointException``.
+    """
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    read_data = reader.read_data
+
+    def read_metadata(*args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        if hasattr(reader, "_get_metadata_path"):  # torch 2.13: an index per rank, optionally
+            path = reader._get_metadata_path(rank)
+        else:
+            path = reader.fs.concat_path(reader.path, ".metadata")
+        with reader.fs.create_stream(path, "rb") as f, _kept_in(refused):
+            metadata = _load_index(f, path)
+        if getattr(metadata, "storage_meta", None) is None:  # as torch's reader does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = reader.load_id
+        return metadata
+
+    def checked_data(plan: Any, planner: Any) -> Any:
+        load_bytes = planner.load_bytes
+
+        def load_checked(item: Any, value: Any) -> Any:
+            where = f"{reader.path} (object {item.storage_index.fqn!r})"
+            with _kept_in(refused):
+                unsafe = _safe_load.scan(value, where)
+                if unsafe:
+                    raise _safe_load.refuse(where, unsafe)
+            value.seek(0)
+            return load_bytes(item, value)
+
+        own = vars(planner).get("load_bytes")
+        planner.load_bytes = load_checked
         try:
-            metadata = unpickler.load()
-        except pickle.UnpicklingError as err:
-            if not unpickler.refused:
-                raise
-            raise _safe_load.UnsafeCheckpointError(
-                f"refusing to load {index}: this torch.distributed.checkpoint index names "
-                f"{', '.join(unpickler.refused)}, which is not part of such an index (its "
-                "metadata classes, torch.Size, dtypes), so unpickling it could run code. Nothing "
-                "of it was unpickled. A checkpoint written by a newer torch may need a newer "
-                f"lightning-mcore-ckpt. {_safe_load.TRUST_ALL}. See {_safe_load.SECURITY_DOC}"
-            ) from err
-    return metadata
+            return read_data(plan, planner)
+        finally:
+            if own is None:
+                del planner.load_bytes
+            else:
+                planner.load_bytes = own
+
+    reader.read_metadata = read_metadata
+    reader.read_data = checked_data
+    return reader
+
+
+@contextlib.contextmanager
+def _kept_in(refused: list[BaseException] | None) -> Iterator[None]:
+    """An ``UnsafeCheckpointError`` raised meanwhile is also appended to ``refused``."""
+    try:
+        yield
+    except _safe_load.UnsafeCheckpointError as err:
+        if refused is not None:
+            refused.append(err)
+        raise
 
 
 class _Window(remote_files.SeekableReader):

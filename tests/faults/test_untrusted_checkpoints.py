@@ -220,3 +220,82 @@ def test_a_user_type_in_hparams_warns_at_save_is_refused_with_the_fix_and_loads_
     assert f"it would import {name}" in result["refused"]
     assert f"add_safe_globals([{name}])" in result["refused"]
     assert result["resumed_to"] == 2 * STEPS
+
+
+def _replaced_after_the_check(rank: int, world_size: int, tmp: str, what: str) -> dict[str, Any]:
+    """A step that passes every check, then has a file of its ``model/`` replaced by a crafted
+    one (``what``: its index, or its object records; the step relisted, as a whole crafted step
+    would be) by rank 0 right after every rank made its last check of it, before Megatron-Core
+    loads it: the window between a check and the load that follows."""
+    import torch.distributed as dist
+    from _crafted import crafted_index, relist, replace_objects, touching
+
+    from lightning_mcore_ckpt.engine._reader import CheckpointReader
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
+
+    step, marker = Path(tmp, f"global_step_{STEPS}"), Path(tmp, "ran")
+    _fit(world_size, tmp)
+    check_shapes = CheckpointReader.check_shapes
+    replaced: list[str] = []
+
+    def check_then_replace(self: Any, model_dir: Path, *args: Any, **kwargs: Any) -> Any:
+        checked = check_shapes(self, model_dir, *args, **kwargs)
+        dist.barrier()  # every rank checked the genuine files
+        if rank == 0 and not replaced:
+            if what == "index":
+                crafted_index(model_dir, marker)
+                replaced.append(".metadata")
+            else:
+                prefix = "gpt.decoder.layers.self_attention.linear_proj._extra_state"
+                replaced.extend(replace_objects(model_dir, prefix, touching(marker)))
+            relist(step)
+        dist.barrier()
+        return checked
+
+    CheckpointReader.check_shapes = check_then_replace  # type: ignore[method-assign]
+    refused = ""
+    try:
+        _fit(world_size, tmp, str(step))
+    except UnsafeCheckpointError as err:
+        refused = str(err)
+    finally:
+        CheckpointReader.check_shapes = check_shapes  # type: ignore[method-assign]
+    dist.barrier()
+    ran_before_trusting = marker.exists()
+    dist.barrier()
+    # The replaced file really runs code where the user trusts the checkpoint whole.
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        _fit(world_size, tmp, str(step))
+    except BaseException:  # noqa: BLE001 - what the crafted file returns is no state
+        pass
+    finally:
+        del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
+    dist.barrier()
+    return {
+        "replaced": replaced,
+        "refused": refused,
+        "ran_before_trusting": ran_before_trusting,
+        "ran_when_trusted": marker.exists(),
+    }
+
+
+@pytest.mark.parametrize("what", ["index", "objects"])
+def test_a_file_replaced_between_the_check_and_the_load_is_refused_on_every_rank(
+    tmp_path: Path, what: str
+) -> None:
+    results = run_distributed(_replaced_after_the_check, 2, str(tmp_path), what, timeout=280)
+    assert results[0]["replaced"], results[0]
+    model = tmp_path / f"global_step_{STEPS}" / "model"
+    for rank, result in enumerate(results):
+        if what == "index":
+            assert (
+                f"refusing to load {model}/.metadata: this torch.distributed" in (result["refused"])
+            ), (rank, result["refused"])
+        else:
+            assert (
+                f"refusing to load {model} (object 'gpt.decoder.layers." in (result["refused"])
+            ), (rank, result["refused"])
+        assert "posix.system" in result["refused"], (rank, result["refused"])
+        assert not result["ran_before_trusting"], rank
+        assert result["ran_when_trusted"], rank

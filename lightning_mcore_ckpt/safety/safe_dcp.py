@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import functools
 import importlib
+import io
 import os
 import pickle
 from collections.abc import Iterator
@@ -191,6 +192,7 @@ def check_reads(reader: Any, refused: list[BaseException] | None = None) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     read_data = reader.read_data
+    verdicts = _Verdicts()
 
     def read_metadata(*args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
@@ -211,7 +213,7 @@ def check_reads(reader: Any, refused: list[BaseException] | None = None) -> Any:
         def load_checked(item: Any, value: Any) -> Any:
             where = f"{reader.path} (object {item.storage_index.fqn!r})"
             with _kept_in(refused):
-                unsafe = _safe_load.scan(value, where)
+                unsafe = verdicts.unsafe(value, value.getbuffer().nbytes, where)
                 if unsafe:
                     raise _safe_load.refuse(where, unsafe)
             value.seek(0)
@@ -241,6 +243,29 @@ def _kept_in(refused: list[BaseException] | None) -> Iterator[None]:
         if refused is not None:
             refused.append(err)
         raise
+
+
+_REMEMBERED = 1 << 20
+"""Records up to this size have their verdict kept by their bytes (:class:`_Verdicts`)."""
+
+
+class _Verdicts:
+    """Each distinct object record scanned once per check: a verdict depends on the record's
+    bytes alone (a model's ``_extra_state`` records are mostly alike: 29 records, 2 distinct,
+    in a small GPT). Kept for one check only: the allowlist may change between two."""
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, list[str]] = {}
+
+    def unsafe(self, record: Any, length: int, where: str) -> list[str]:
+        """The globals of ``record`` (a seekable binary file of ``length`` bytes, read from its
+        current position) that are not allowed; see ``_safe_load.scan``."""
+        if length > _REMEMBERED:
+            return _safe_load.scan(record, where)
+        data = record.read(length)
+        if data not in self._seen:
+            self._seen[data] = _safe_load.scan(io.BytesIO(data), where)
+        return self._seen[data]
 
 
 class _Window(remote_files.SeekableReader):
@@ -276,6 +301,7 @@ def check_dist_checkpoint(directory: str | os.PathLike[str]) -> None:
         if isinstance(md, BytesStorageMetadata)
     }
     refused: dict[str, list[str]] = {}
+    verdicts = _Verdicts()
     for index, info in sorted(
         (metadata.storage_data or {}).items(), key=lambda item: str(item[0].fqn)
     ):
@@ -290,7 +316,8 @@ def check_dist_checkpoint(directory: str | os.PathLike[str]) -> None:
                 "lightning-mcore-ckpt cannot check before they are unpickled",
             )
         with remote_files.open_read(root / info.relative_path) as f:  # local, or a view's
-            unsafe = _safe_load.scan(_Window(f, int(info.offset), int(info.length)), where)  # type: ignore[arg-type]
+            record = _Window(f, int(info.offset), int(info.length))  # type: ignore[arg-type]
+            unsafe = verdicts.unsafe(record, int(info.length), where)
         if unsafe:
             refused[index.fqn] = unsafe
     if refused:

@@ -122,6 +122,31 @@ def test_an_object_in_the_shards_that_would_run_code_is_refused(
     assert not marker.exists()
 
 
+def test_records_alike_are_scanned_once_and_a_different_one_among_them_is_refused(
+    step: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The step's model/ holds 9 object records, 8 of them the same bytes: 2 scans. One of the
+    # 8 made to run code is a third distinct record, scanned and refused.
+    scans: list[str] = []
+    scan = _safe_load.scan
+
+    def counted(f: object, where: str) -> list[str]:
+        scans.append(where)
+        return scan(f, where)
+
+    monkeypatch.setattr(_safe_load, "scan", counted)
+    _safe_dcp.check_dist_checkpoint(step / "model")
+    assert len(scans) == 2, scans
+    marker = tmp_path / "ran"
+    key = "gpt.decoder.layers.mlp.linear_fc1._extra_state/shard_1_"
+    assert len(replace_objects(step / "model", key, [touching(marker)])) == 1
+    scans.clear()
+    with pytest.raises(UnsafeCheckpointError, match=r"linear_fc1\._extra_state/shard_1_"):
+        _safe_dcp.check_dist_checkpoint(step / "model")
+    assert len(scans) == 3, scans
+    assert not marker.exists()
+
+
 def test_a_common_pt_that_would_run_code_is_refused(step: Path, tmp_path: Path) -> None:
     # megatron-core 0.16 keeps a directory's common state in common.pt.
     marker = tmp_path / "ran"

@@ -60,7 +60,8 @@ replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast 
    step together, checking the copies against their seals, fetching the missing ones; not the
    load itself). Where the recovery and the load went: the wall time of named functions in each
    rank (:data:`RECOVERY_PARTS`, :data:`LOAD_PARTS`), the slower rank's, medians of the
-   launches. The rows are interleaved, the order reversed every other round.
+   launches. The rows are interleaved, each leading a round in turn, the others after it
+   forward and in reverse in alternate rounds (:func:`round_order`).
 3. **Steps lost at a failure**: arithmetic from the cadences (see :func:`steps_lost`), with
    the save times of item 1 in steps of this run.
 4. **The fast tier against its own bounds** (:func:`bounds`): own copies, recovery + load at
@@ -816,11 +817,15 @@ def link_speed(scratch: Path, timeout: float) -> dict[str, Any]:
 
 
 def round_order(rows: list[str], r: int) -> list[str]:
-    """Round ``r``'s order (from 1): the recovery rows, each speed measured right after the row
-    it bounds (:data:`SPEED_AFTER`: the medium's read after the own copies, the link after the
-    peer copies, ``/dev/shm``'s read after :data:`SHM_ROW`), reversed every other round."""
-    order = [item for row in rows for item in (row, SPEED_AFTER.get(row)) if item is not None]
-    return order if r % 2 else order[::-1]
+    """Round ``r``'s order (from 1): the recovery rows in the loads' order
+    (``load_rounds.order_of``: each row leads a round in turn, the others after it forward
+    in odd rounds and in reverse in even ones), each speed measured right after the row it
+    bounds (:data:`SPEED_AFTER`: the medium's read after the own copies, the link after the
+    peer copies, ``/dev/shm``'s read after :data:`SHM_ROW`)."""
+    from benchmarks.load_rounds import order_of
+
+    ordered = order_of(tuple(rows), r - 1)
+    return [item for row in ordered for item in (row, SPEED_AFTER.get(row)) if item is not None]
 
 
 def _speed_line(got: dict[str, Any]) -> str:

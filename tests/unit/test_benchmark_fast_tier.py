@@ -314,9 +314,11 @@ def test_the_s3_row_is_launched_each_round_from_the_step_the_job_left_in_the_buc
     assert result["s3"] == "a fake bucket" and result["s3_published"]["objects"] == 3
     assert list(result["launches"]) == [*fast_tier.ROWS, fast_tier.S3_ROW]
     assert len(result["launches"][fast_tier.S3_ROW]) == 2
-    # Interleaved with the other rows, the order reversed in the second round.
+    # Interleaved with the other rows; the second round led by the second row, the others
+    # after it in reverse.
     order = [row for row, _ in calls]
-    assert order == [*fast_tier.ROWS, fast_tier.S3_ROW, fast_tier.S3_ROW, *fast_tier.ROWS[::-1]]
+    rows = [*fast_tier.ROWS, fast_tier.S3_ROW]
+    assert order == [*rows, rows[1], rows[0], *rows[2:][::-1]]
     assert all(s3 is stand for _, s3 in calls)
 
 
@@ -548,7 +550,15 @@ def test_the_speeds_are_measured_each_round_between_the_launches(
     rows = fast_tier.rows_measured(True, True)
     order = fast_tier.round_order(rows, 1)
     assert order == [rows[0], fast_tier.MEDIUM, rows[1], fast_tier.LINK, *rows[2:]]
-    assert fast_tier.round_order(rows, 2) == order[::-1]
+    # Round 2 is led by the second row, the others after it in reverse; each speed stays
+    # right after the row it bounds.
+    assert fast_tier.round_order(rows, 2) == [
+        rows[1],
+        fast_tier.LINK,
+        rows[0],
+        fast_tier.MEDIUM,
+        *rows[2:][::-1],
+    ]
     first = fast_tier.round_order(list(fast_tier.ROWS), 1)  # no stand-in set up below
     calls: list[str] = []
 
@@ -569,7 +579,8 @@ def test_the_speeds_are_measured_each_round_between_the_launches(
     monkeypatch.setattr(fast_tier, "read_cold", read_cold)
     monkeypatch.setattr(fast_tier, "link_speed", link_speed)
     result = fast_tier.measure(tmp_path, "quick", 2, 60.0)
-    assert calls == first + first[::-1]
+    second = fast_tier.round_order(list(fast_tier.ROWS), 2)
+    assert calls == first + second
     assert len(result["medium_reads"]) == 2 and result["link_transfers"][0]["why"]
 
 
@@ -732,8 +743,21 @@ def test_the_dev_shm_row_and_its_speed_are_interleaved_with_the_others_each_roun
         fast_tier.THROTTLED,
         fast_tier.S3_ROW,
     ]
-    assert fast_tier.round_order(rows, 2) == first[::-1]
-    assert fast_tier.round_order(rows, 3) == first
+    speeds = set(fast_tier.SPEED_AFTER.values())
+    leaders = []
+    for r in range(1, len(rows) + 1):
+        order = fast_tier.round_order(rows, r)
+        assert sorted(order) == sorted(first), r
+        leaders.append(order[0])
+        for row, speed in fast_tier.SPEED_AFTER.items():  # each speed right after its row
+            assert order[order.index(row) + 1] == speed, (r, order)
+        recovery = [item for item in order if item not in speeds]
+        # The others after the leader in the rows' cyclic order in odd rounds, in reverse in
+        # even ones.
+        cycle = recovery if r % 2 else [recovery[0], *recovery[1:][::-1]]
+        k = rows.index(cycle[0])
+        assert cycle == rows[k:] + rows[:k], (r, recovery)
+    assert leaders == rows  # every row leads a round, in turn
     calls: list[str] = []
     shms: list[Any] = []
 
@@ -759,8 +783,8 @@ def test_the_dev_shm_row_and_its_speed_are_interleaved_with_the_others_each_roun
     shm_root = tmp_path / "shm"
     shm_root.mkdir()
     result = fast_tier.measure(tmp_path / "scratch", "quick", 2, 60.0, shm_root=shm_root)
-    plain = fast_tier.round_order(fast_tier.rows_measured(False, False, True), 1)
-    assert calls == plain + plain[::-1]
+    measured = fast_tier.rows_measured(False, False, True)
+    assert calls == fast_tier.round_order(measured, 1) + fast_tier.round_order(measured, 2)
     assert len(result["launches"][fast_tier.SHM_ROW]) == 2 and len(result["shm_reads"]) == 2
     assert result["shm"].startswith(f"each node's directory under `{shm_root}`")
     assert result["shm_why"] is None

@@ -44,6 +44,10 @@ def holds_weights_only(path: Path) -> bool:
     )
 
 
+_UNSAFE = "unsafe: "
+"""Tags a refusal shared by ``first_failure``, so that every rank raises it as one."""
+
+
 class CheckpointReader:
     """Reads a step directory's ``model/``, ``optim/`` and ``extra/`` into this rank's state.
 
@@ -295,7 +299,8 @@ class CheckpointReader:
         for opt in state.optimizers:
             if not isinstance(opt, MegatronOptimizer):
                 if saved_keys is None:
-                    saved_keys = _optim.saved_state_keys(directory)
+                    with views_readable(checked=not trusted):  # its index, as the load's
+                        saved_keys = _optim.saved_state_keys(directory)
                 # State for exactly the parameters that had it when saved (not frozen ones).
                 _optim.init_state(opt, model_ssd, saved_keys)
         for dist_opt in distributed_optimizers(state.optimizers):
@@ -303,7 +308,7 @@ class CheckpointReader:
             # with a zero-learning-rate step (no main parameter moves).
             if not dist_opt.optimizer.state:
                 _optim.init_state(dist_opt.optimizer)
-        metadata = self._optimizer_format(directory, state)
+        metadata = self._optimizer_format(directory, state, trusted)
         with views_readable(checked=not trusted):
             loaded = dist_checkpointing.load(
                 optimizer_sharded_state_dict(
@@ -357,16 +362,21 @@ class CheckpointReader:
         _rank_state.load(payload, state, stateless)
 
     @staticmethod
-    def _optimizer_format(directory: Path, state: TrainingState) -> dict[str, Any]:
+    def _optimizer_format(
+        directory: Path, state: TrainingState, trusted: bool = False
+    ) -> dict[str, Any]:
         """What Megatron-Core's optimizers are told to load ``directory`` with: the metadata it
         was saved with (its sharding type), whatever this run saves with. A distributed
         optimizer state saved ``dp_reshardable`` loads only into the same tensor-, pipeline-,
-        context- and expert-parallel sizes: another layout is refused here, naming the fix."""
+        context- and expert-parallel sizes: another layout is refused here, naming the fix.
+        Megatron-Core reads its record through torch DCP: its index and objects checked unless
+        ``trusted`` (this runs before the directory's own check)."""
         from megatron.core import dist_checkpointing
 
         if not distributed_optimizers(state.optimizers):
             return megatron_optimizer_metadata(state.optimizer_sharding)
-        saved = dist_checkpointing.load_content_metadata(str(directory)) or {}
+        with views_readable(checked=not trusted):
+            saved = dist_checkpointing.load_content_metadata(str(directory)) or {}
         # The saved format, gathered the way this machine can.
         sharding = saved.get("distrib_optim_sharding_type", state.optimizer_sharding)
         metadata = {
@@ -377,7 +387,9 @@ class CheckpointReader:
         CheckpointReader._check_optimizer_layout(directory.parent, sharding, saved_layout, state)
         return metadata
 
-    def check_optimizer_layout(self, path: Path, state: TrainingState) -> None:
+    def check_optimizer_layout(
+        self, path: Path, state: TrainingState, *, trusted: bool = False
+    ) -> None:
         """Refuse, before any of the step is loaded, an optimizer state that cannot load into
         this run (collective: every rank calls it, and every rank raises the same refusal).
 
@@ -388,6 +400,8 @@ class CheckpointReader:
         will restore (each inner optimizer's moments and main parameters, dense and expert)
         must be in the step. A step whose record does not name its sharding type is checked
         when its optimizer is loaded (:meth:`load_optimizers`), from Megatron-Core's own record.
+        An index or object that would run code is refused as ``UnsafeCheckpointError`` (read
+        unchecked only when ``trusted``).
         """
         problem: str | None = None
         try:
@@ -397,17 +411,20 @@ class CheckpointReader:
                 if sharding is not None:
                     saved_layout = record.get("parallel_layout")
                     self._check_optimizer_layout(path, sharding, saved_layout, state)
-                self._check_optimizer_complete(path / OPTIM_DIR, state)
-            self._check_torch_optimizers_complete(path / OPTIM_DIR, state)
-        except ValueError as err:
-            problem = str(err)
+                self._check_optimizer_complete(path / OPTIM_DIR, state, trusted)
+            self._check_torch_optimizers_complete(path / OPTIM_DIR, state, trusted)
+        except ValueError as err:  # an UnsafeCheckpointError too: tagged, raised as one
+            unsafe = isinstance(err, _safe_load.UnsafeCheckpointError)
+            problem = f"{_UNSAFE if unsafe else ''}{err}"
         found = first_failure(problem, state.rank, state.device)
         if found is not None:
-            raise ValueError(
-                found[1] if found[0] == state.rank else f"{found[1]} (rank {found[0]})"
-            )
+            why = found[1].removeprefix(_UNSAFE)
+            error = _safe_load.UnsafeCheckpointError if found[1] != why else ValueError
+            raise error(why if found[0] == state.rank else f"{why} (rank {found[0]})")
 
-    def _check_optimizer_complete(self, directory: Path, state: TrainingState) -> None:
+    def _check_optimizer_complete(
+        self, directory: Path, state: TrainingState, trusted: bool
+    ) -> None:
         """Raise, naming them, when tensors this rank's optimizers will restore are not in
         ``directory`` (``optim/``). Reads its index only; changes no live tensor (a fresh
         distributed optimizer's state is created as the load would create it)."""
@@ -421,12 +438,12 @@ class CheckpointReader:
         for dist_opt in distributed_optimizers(state.optimizers):
             if not dist_opt.optimizer.state:
                 _optim.init_state(dist_opt.optimizer)
-        metadata = self._optimizer_format(directory, state)
+        metadata = self._optimizer_format(directory, state, trusted)
         template = optimizer_sharded_state_dict(
             state.optimizers, state.module, state.model_sharded_state_dict(), True, metadata
         )
         apply_factories(template)
-        saved = set(_safe_dcp.read_dcp_metadata(directory).state_dict_metadata)
+        saved = set(_safe_dcp.read_dcp_metadata(directory, trusted=trusted).state_dict_metadata)
         missing = sorted(
             {
                 sh.key if isinstance(sh, ShardedTensor) else sh.unique_key
@@ -445,7 +462,9 @@ class CheckpointReader:
             )
 
     @staticmethod
-    def _check_torch_optimizers_complete(directory: Path, state: TrainingState) -> None:
+    def _check_torch_optimizers_complete(
+        directory: Path, state: TrainingState, trusted: bool
+    ) -> None:
         """Raise, naming them, when a torch optimizer's state tensors are partly missing from
         ``directory`` (``optim/``): a parameter whose ``exp_avg`` is there and ``exp_avg_sq`` is
         not would otherwise fail inside Megatron-Core's load. From the index; changes nothing."""
@@ -454,7 +473,7 @@ class CheckpointReader:
         torch_optimizers = [o for o in state.optimizers if not isinstance(o, MegatronOptimizer)]
         if not torch_optimizers or not directory.is_dir():
             return
-        saved = set(_safe_dcp.read_dcp_metadata(directory).state_dict_metadata)
+        saved = set(_safe_dcp.read_dcp_metadata(directory, trusted=trusted).state_dict_metadata)
         model_ssd = state.model_sharded_state_dict()
         missing = sorted(
             {k for o in torch_optimizers for k in _optim.missing_state_keys(o, model_ssd, saved)}

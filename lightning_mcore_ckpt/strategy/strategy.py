@@ -806,7 +806,7 @@ class MegatronStrategy(ParallelStrategy):
         if fitting and self.optimizers and (path / OPTIM_DIR).is_dir():
             # An optimizer state that cannot load into this layout: refused from the step's
             # record on every rank, before any of its files is read.
-            self._reader.check_optimizer_layout(path, self._training_state())
+            self._reader.check_optimizer_layout(path, self._training_state(), trusted=trusted)
         self._reader.check_extra(path / EXTRA_DIR, self._training_state(), trusted=trusted)
         self._load_weights(path, trusted=trusted)
         if self._writer.shards.dedup is not None:  # the frozen tensors just loaded: reusable

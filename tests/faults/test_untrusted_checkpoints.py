@@ -299,3 +299,44 @@ def test_a_file_replaced_between_the_check_and_the_load_is_refused_on_every_rank
         assert "posix.system" in result["refused"], (rank, result["refused"])
         assert not result["ran_before_trusting"], rank
         assert result["ran_when_trusted"], rank
+
+
+def _crafted_index(rank: int, world_size: int, tmp: str, sub: str, optimizer: str) -> str:
+    """Train (``optimizer``: TinyGPTModule's: torch AdamW, Megatron-Core's, its distributed one), then rank 0 replaces
+    ``sub``'s index of the last step with one that runs code (the step relisted, as a whole
+    crafted step would be); every rank resumes from it: what it raised."""
+    import torch.distributed as dist
+    from _crafted import crafted_index, relist
+
+    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    step, marker = Path(tmp, f"global_step_{STEPS}"), Path(tmp, "ran")
+    _fit(world_size, tmp, module=TinyGPTModule(dropout=0.1, optimizer=optimizer))
+    dist.barrier()
+    if rank == 0:
+        crafted_index(step / sub, marker)
+        relist(step)
+    dist.barrier()
+    try:
+        _fit(world_size, tmp, str(step), module=TinyGPTModule(dropout=0.1, optimizer=optimizer))
+    except UnsafeCheckpointError as err:
+        return str(err)
+    finally:
+        dist.barrier()
+        assert not marker.exists(), f"rank {rank}: the crafted index ran"
+    return ""
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "megatron", "distributed"])
+@pytest.mark.parametrize("sub", ["model", "optim"])
+def test_a_crafted_index_is_refused_before_anything_reads_it_whatever_the_optimizer(
+    tmp_path: Path, sub: str, optimizer: str
+) -> None:
+    # Every reader of a step's index before its load (the optimizer layout's checks read the
+    # optimizer's content metadata through Megatron-Core) reads it through the checked unpickler.
+    results = run_distributed(_crafted_index, 2, str(tmp_path), sub, optimizer, timeout=280)
+    index = tmp_path / f"global_step_{STEPS}" / sub / ".metadata"
+    for rank, refused in enumerate(results):
+        assert f"refusing to load {index}: this torch.distributed" in refused, (rank, refused)
+        assert "posix.system" in refused, (rank, refused)

@@ -257,22 +257,18 @@ def views_readable(checked: bool = False) -> Iterator[None]:
     """Every torch DCP reader Megatron-Core creates meanwhile reads a view's remote files
     from its object store (e.g. the common state it reads before the sharded load). With
     ``checked`` (a load the user did not trust whole), each reads its index and object records
-    through ``safe_dcp.check_reads``: what is unpickled is what was checked, even where a file
-    is replaced after the check before the load. A refusal, this rank's or another's (torch DCP
-    gathers the ranks' read errors), is raised as ``UnsafeCheckpointError`` (the lowest rank's:
-    the same on every rank that learns of it)."""
+    through ``safe_dcp.check_reads`` (``safe_dcp.checked_readers``): what is unpickled is what
+    was checked, even where a file is replaced after the check before the load; a refusal is
+    raised as ``UnsafeCheckpointError`` on every rank that learns of it."""
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
     stock = torch_strategy._get_filesystem_reader
-    refused: list[BaseException] | None = [] if checked else None
 
     def reader(*args: Any, **kwargs: Any) -> Any:
         made = stock(*args, **kwargs)
         if isinstance(made, FileSystemReader):
             made.fs = remote_files.routed_filesystem()
-            if refused is not None:
-                _safe_dcp.check_reads(made, refused)
         return made
 
     # Megatron-Core 0.16 reads the common state from common.pt, without a DCP reader.
@@ -280,37 +276,16 @@ def views_readable(checked: bool = False) -> Iterator[None]:
     with _swap_lock:
         for module in modules:
             module._get_filesystem_reader = reader
-        token = _checked.set(refused)
         try:
-            yield
-        except BaseException as err:
-            refusal = _first_refusal(err, refused or [])
-            if refusal is None:
-                raise
-            raise refusal from err
+            with _safe_dcp.checked_readers() if checked else contextlib.nullcontext() as refused:
+                token = _checked.set(refused)
+                try:
+                    yield
+                finally:
+                    _checked.reset(token)
         finally:
-            _checked.reset(token)
             for module in modules:
                 module._get_filesystem_reader = stock
-
-
-def _first_refusal(err: BaseException, refused: list[BaseException]) -> BaseException | None:
-    """The refusal behind ``err``: the lowest rank's that torch DCP gathered into it, else
-    this rank's own (``refused``); ``None``: it was no refusal."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
-
-    if isinstance(err, UnsafeCheckpointError):
-        return None  # raised as it is
-    if isinstance(err, CheckpointException):
-        for rank, failure in sorted(err.failures.items()):
-            cause: BaseException | None = failure[0] if isinstance(failure, tuple) else failure
-            while cause is not None and not isinstance(cause, UnsafeCheckpointError):
-                cause = cause.__cause__
-            if cause is not None:
-                return UnsafeCheckpointError(f"{cause} (found on rank {rank})")
-    return UnsafeCheckpointError(str(refused[0])) if refused else None
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from lightning_mcore_ckpt import _cpu
 from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._reader import SliceReader, module_prefix
+from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 
 __all__ = ["LOGITS_ATOL", "LogitsResult", "check_logits"]
 
@@ -140,7 +141,10 @@ def _megatron_outputs(bridge: HFBridge, step: Path, inputs: torch.Tensor) -> tor
         model: Any = bridge.gpt_model(config)
         _attach_adapters(model, reader, prefix, step)
         state = model.sharded_state_dict(prefix=prefix)
-        loaded = dist_checkpointing.load(state, str(step / layout.MODEL_DIR))
+        # A step is a file from outside: its objects checked, then loaded from what was checked.
+        _safe_dcp.check_dist_checkpoint(step / layout.MODEL_DIR)
+        with _safe_dcp.checked_readers():
+            loaded = dist_checkpointing.load(state, str(step / layout.MODEL_DIR))
         missing = model.load_state_dict(_strip(loaded, prefix), strict=False).missing_keys
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing:

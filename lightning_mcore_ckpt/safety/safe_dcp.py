@@ -34,6 +34,7 @@ __all__ = [
     "COMMON_FILE",
     "check_dist_checkpoint",
     "check_reads",
+    "checked_readers",
     "index_extents",
     "read_dcp_metadata",
 ]
@@ -232,6 +233,56 @@ def check_reads(reader: Any, refused: list[BaseException] | None = None) -> Any:
     reader.read_metadata = read_metadata
     reader.read_data = checked_data
     return reader
+
+
+@contextlib.contextmanager
+def checked_readers() -> Iterator[list[BaseException]]:
+    """Meanwhile, every torch DCP reader Megatron-Core makes (``_get_filesystem_reader``) reads
+    through :func:`check_reads`. Yields the list its refusals go to; an error a refusal caused
+    (torch DCP's ``AssertionError`` for an index, its ``CheckpointException`` gathering the
+    ranks' read errors) is raised as the refusal, the lowest rank's, naming it. Not
+    thread-safe: it swaps Megatron-Core's module attribute, for one load at a time."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stock = torch_strategy._get_filesystem_reader
+    refused: list[BaseException] = []
+
+    def reader(*args: Any, **kwargs: Any) -> Any:
+        made = stock(*args, **kwargs)
+        return check_reads(made, refused) if isinstance(made, FileSystemReader) else made
+
+    modules = [m for m in (torch_strategy, serialization) if hasattr(m, "_get_filesystem_reader")]
+    for module in modules:
+        module._get_filesystem_reader = reader
+    try:
+        yield refused
+    except BaseException as err:
+        refusal = _first_refusal(err, refused)
+        if refusal is None:
+            raise
+        raise refusal from err
+    finally:
+        for module in modules:
+            module._get_filesystem_reader = stock
+
+
+def _first_refusal(err: BaseException, refused: list[BaseException]) -> BaseException | None:
+    """The refusal behind ``err``: the lowest rank's that torch DCP gathered into it, else
+    this rank's own (``refused``); ``None``: it was no refusal (or is one, raised as it is)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, _safe_load.UnsafeCheckpointError):
+        return None
+    if isinstance(err, CheckpointException):
+        for rank, failure in sorted(err.failures.items()):
+            cause: BaseException | None = failure[0] if isinstance(failure, tuple) else failure
+            while cause is not None and not isinstance(cause, _safe_load.UnsafeCheckpointError):
+                cause = cause.__cause__
+            if cause is not None:
+                return _safe_load.UnsafeCheckpointError(f"{cause} (found on rank {rank})")
+    return _safe_load.UnsafeCheckpointError(str(refused[0])) if refused else None
 
 
 @contextlib.contextmanager

@@ -11,13 +11,17 @@ passes on every export here, fails on a wrong mapping that tensor-wise verificat
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _cli import installed_cli, run_cli
+from _crafted import replace_objects, touching
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
 from lightning_mcore_ckpt.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -220,3 +224,16 @@ def test_the_logits_check_catches_a_wrong_mapping_that_tensor_checks_miss(tmp_pa
     assert done.returncode == 1 and "FAILED" in done.stdout
     hf.export_checkpoint(step, tmp_path / "src", tmp_path / "right")
     assert hf.check_logits(tmp_path / "right", step).max_abs_diff <= 1e-4
+
+    # The reference step is a file from outside too: an object in it that would run code is
+    # refused before anything of it is unpickled.
+    with open(step / "model" / ".metadata", "rb") as f:
+        index = pickle.load(f)  # our own, real index
+    key = next(
+        k for k, md in index.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)
+    )
+    marker = tmp_path / "ran"
+    assert replace_objects(step / "model", key, touching(marker))
+    with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
+        hf.check_logits(tmp_path / "right", step)
+    assert not marker.exists()

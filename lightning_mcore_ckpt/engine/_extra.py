@@ -3,10 +3,12 @@ a save gives once when a later load would refuse part of what it holds."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 
@@ -17,26 +19,44 @@ from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import atomic as _atomic
 from lightning_mcore_ckpt.training.rng import RNGState
 
-__all__ = ["RefusalWarnings", "write_extra"]
+__all__ = ["ExtraFile", "RefusalWarnings", "write_extra_file"]
 
 log = logging.getLogger(__name__)
 
 
-def write_extra(
-    directory: Path, checkpoint: dict[str, Any], state: TrainingState
-) -> tuple[Path, dict[str, Any]]:
-    """Write this rank's ``extra/rank_<r>.pt`` durably; its path and payload."""
-    payload = extra_payload(checkpoint, state)
-    target = directory / f"rank_{state.rank:05d}.pt"
+@dataclasses.dataclass
+class ExtraFile:
+    """This rank's ``extra/rank_<r>.pt`` of a save: its payload as it was at the save, and its
+    bytes (``torch.save`` of it), to be written to ``target``."""
+
+    target: Path
+    payload: dict[str, Any]
+    data: bytes
+
+    @classmethod
+    def of(cls, directory: Path, checkpoint: dict[str, Any], state: TrainingState) -> ExtraFile:
+        """The file ``directory`` gets now: the save's snapshot of what it holds."""
+        payload = extra_payload(checkpoint, state)
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        return cls(directory / f"rank_{state.rank:05d}.pt", payload, buffer.getvalue())
+
+    def write(self) -> None:
+        """Write it durably (:func:`write_extra_file`)."""
+        write_extra_file(self.target, self.data)
+
+
+def write_extra_file(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` durably and atomically, its digest recorded for the step's
+    manifest (hashed on the way to the file)."""
     hashed: list[integrity.HashingWriter] = []
 
     def save(f: IO[bytes]) -> None:
         hashed.append(integrity.HashingWriter(f))
-        torch.save(payload, cast(IO[bytes], hashed[-1]))
+        hashed[-1].write(data)
 
     _atomic.write_with(target, save)
     integrity.record(target, hashed[-1].digest)
-    return target, payload
 
 
 def extra_payload(checkpoint: dict[str, Any], state: TrainingState) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -169,10 +169,12 @@ class ShardWriter:
         write_timer: torch.Tensor,
         snapshot: bool,
         request_class: type,
+        side_write: Callable[[], None] | None = None,
     ) -> Any:
         """One request that writes every ``(name, Megatron-Core request)`` and finalises them in
         order; staged here, on the calling thread (``snapshot``: see :meth:`StagingBuffers.stage`).
         Bounded staging starts the writes here too, and returns once every tensor is copied.
+        ``side_write``: another file of the step (its ``extra/``), written by the pool alongside.
         """
         jobs, finalize_fns = [], []
         self._settle()
@@ -198,7 +200,7 @@ class ShardWriter:
                 job.buckets = self.staging.stage(job.name, job.buckets, snapshot)
         else:
             self._stage_bounded(jobs, session)
-        return request_class(self.write, (jobs, write_timer), finalize_fns)
+        return request_class(self.write, (jobs, write_timer, side_write), finalize_fns)
 
     def _stage_bounded(self, jobs: Sequence[_Job], session: StagingSession) -> None:
         """Queue every file's write, in order, then copy the tensors in that order (each file
@@ -224,11 +226,19 @@ class ShardWriter:
             future.exception()
         self._in_flight = []
 
-    def write(self, jobs: Sequence[_Job], write_timer: torch.Tensor) -> None:
+    def write(
+        self,
+        jobs: Sequence[_Job],
+        write_timer: torch.Tensor,
+        side_write: Callable[[], None] | None = None,
+    ) -> None:
         """Write every file of ``jobs`` in parallel; each job's results (or its first error) go
-        to its results queue, where Megatron-Core's finaliser takes them. Raises nothing."""
+        to its results queue, where Megatron-Core's finaliser takes them. ``side_write`` runs
+        in the pool alongside; its error is raised once the jobs' results are queued (the save
+        then fails at its finalisation, on every rank); nothing else is raised."""
         start = min([time.perf_counter(), *(j.started for j in jobs if j.started is not None)])
         pool = self._threads()
+        side = None if side_write is None else pool.submit(side_write)
         futures = [
             job.futures
             if job.futures is not None  # started by bounded staging
@@ -248,6 +258,8 @@ class ShardWriter:
                 self.dedup.written(written, step.parent / SHARED_DIR)
                 integrity.record_references(step, self.dedup.references())
             job.results.put(collected)
+        if side is not None:
+            side.result()
         write_timer[0] = time.perf_counter() - start
 
     def abort(self) -> None:

@@ -6,7 +6,7 @@ import functools
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt.engine import _collectives, _param_groups
+from lightning_mcore_ckpt.engine import _collectives, _extra, _param_groups
 from lightning_mcore_ckpt.engine._agreeing_save_strategy import save_strategy
 from lightning_mcore_ckpt.engine._collectives import (
     agree_on_failure,
@@ -25,7 +25,7 @@ from lightning_mcore_ckpt.engine._collectives import (
 )
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import commit_unowned
-from lightning_mcore_ckpt.engine._extra import RefusalWarnings, write_extra
+from lightning_mcore_ckpt.engine._extra import ExtraFile, RefusalWarnings
 from lightning_mcore_ckpt.engine._plans import SavePlans
 from lightning_mcore_ckpt.engine._records import (
     BLOCKING_PARTS,
@@ -70,12 +70,13 @@ class CheckpointWriter:
     point of the job. A save goes through this sequence of calls:
 
     1) (all ranks) :meth:`save`: finalise the pending save (blocking, as in 4); rank 0 creates
-       the step directory (every rank gets its verdict); every rank plans (collective) and
-       stages its shards, writes its ``extra/rank_<r>.pt``, and agrees on whether any rank
-       failed. Then, synchronously: every rank writes its shards, agrees, runs Megatron-Core's
-       finalisers (collective), agrees, and completes (all-reduce of timings; ``on_finalized``
-       and the owning listeners' ``saved``, on every rank). Asynchronously: every rank hands
-       its writes to the background thread and returns.
+       the step directory (every rank gets its verdict); every rank takes the bytes of its
+       ``extra/rank_<r>.pt`` (and writes it, unless an async save of our writer writes it in
+       the background with the shards), agrees on whether any rank failed, plans (collective)
+       and stages its shards. Then, synchronously: every rank writes its shards, agrees, runs
+       Megatron-Core's finalisers (collective), agrees, and completes (all-reduce of timings;
+       ``on_finalized`` and the owning listeners' ``saved``, on every rank). Asynchronously:
+       every rank hands its writes to the background thread and returns.
     2) (all ranks, async only) :meth:`finalize` with ``blocking=False``, at each training batch
        start: Megatron-Core's queue agrees over all ranks on whether the writes are done;
        ``False`` until they are done on every rank; then it completes the save as in 1.
@@ -171,15 +172,18 @@ class CheckpointWriter:
         # Sync and async saves take the same path (plan and stage here, write inline or in the
         # background, then finalise), as dist_checkpointing.save does: the same phases timed.
         async_save = self.async_save and not options.synchronous
-        kept: list[BaseException] = []  # rank 0's finalisation errors, shared after
-        request, write_timer, sharding = self._plan_and_stage(
-            path, contents, state, async_save, kept, parts
+        # An async save of our writer writes extra/ in the background too (its bytes taken now).
+        defer = async_save and self.writer == _compat.THREADS
+        extra_write_s, extra, failure = self._extra_agreed(
+            path, contents, checkpoint, state, write=not defer
         )
-
-        extra_write_s, failure = self._write_extra_agreed(path, contents, checkpoint, state)
         if failure is not None:
             return self._failed(path, failure, options)
         parts.mark("extra")
+        kept: list[BaseException] = []  # rank 0's finalisation errors, shared after
+        request, write_timer, sharding = self._plan_and_stage(
+            path, contents, state, async_save, kept, parts, extra
+        )
         timings = {"start": start, "extra_write_s": extra_write_s}
         base = self._record_base(checkpoint, path, contents, async_save, sharding, state)
 
@@ -235,10 +239,12 @@ class CheckpointWriter:
         async_save: bool,
         kept: list[BaseException],
         timed: _Parts,
+        extra: ExtraFile | None = None,
     ) -> tuple[Any, torch.Tensor, Any]:
         """Build the sharded state dicts of ``model/`` and ``optim/``, plan and stage their
         shards: the write request (inline or in the background), the tensor its writers time
-        themselves into, and the optimizer's sharding. Each phase is marked on ``timed``."""
+        themselves into, and the optimizer's sharding. Each phase is marked on ``timed``.
+        ``extra``: written by the request too (our writer's), alongside the shards."""
         own = self.writer == _compat.THREADS
         if own and self.shards.dedup is not None:
             self.shards.dedup.frozen = frozen_storages(state.module)
@@ -252,7 +258,11 @@ class CheckpointWriter:
         write_timer = torch.zeros(1, dtype=torch.float64)
         if own:
             request = self.shards.request(
-                requests, write_timer, async_save, _compat.builtin_request_class()
+                requests,
+                write_timer,
+                async_save,
+                _compat.builtin_request_class(),
+                None if extra is None else _write_extra_later(extra),
             )
         else:
             write_timer.share_memory_()  # written by Megatron-Core's background process
@@ -301,26 +311,33 @@ class CheckpointWriter:
         self.planned_ahead_s = time.perf_counter() - start
         return True
 
-    def _write_extra_agreed(
+    def _extra_agreed(
         self,
         path: Path,
         contents: Sequence[str],
         checkpoint: dict[str, Any],
         state: TrainingState,
-    ) -> tuple[float, CheckpointSaveError | None]:
-        """Write this rank's ``extra/`` file (when the step holds it): the seconds it took, and
-        any rank's failure, the same on every rank."""
+        write: bool,
+    ) -> tuple[float, ExtraFile | None, CheckpointSaveError | None]:
+        """This rank's ``extra/`` file of the save (when the step holds it), its bytes taken
+        now, and written now with ``write`` (else by the background write, which reports its
+        failure at the save's finalisation): the seconds this took, the file, and any rank's
+        failure, the same on every rank."""
         extra_write_s = 0.0
+        extra = None
         error: BaseException | None = None
         if "extra" in contents:
             extra_start = time.perf_counter()
             try:
-                self._write_extra(path / EXTRA_DIR, checkpoint, state)
+                extra = ExtraFile.of(path / EXTRA_DIR, checkpoint, state)
+                if write:
+                    _extra.write_extra_file(extra.target, extra.data)
+                self._check_extra(extra)
             except Exception as err:  # noqa: BLE001 - e.g. an unpicklable object: shared, raised
                 error = err
             extra_write_s = time.perf_counter() - extra_start
         failure = agree_on_failure(error, path, "writing extra/", state.rank, state.device)
-        return extra_write_s, failure
+        return extra_write_s, extra, failure
 
     def _record_base(
         self,
@@ -378,13 +395,12 @@ class CheckpointWriter:
             state.device,
         )
 
-    def _write_extra(
-        self, directory: Path, checkpoint: dict[str, Any], state: TrainingState
-    ) -> None:
-        """This rank's ``extra/rank_<r>.pt``: RNG, stateless parameters, Lightning's state."""
-        target, payload = write_extra(directory, checkpoint, state)
-        where = f"{EXTRA_DIR}/{target.name}"
-        self._refusals.check(where, lambda: _safe_load.refused_in_extra(target, payload))
+    def _check_extra(self, extra: ExtraFile) -> None:
+        """Warn once when a load will refuse part of ``extra`` (its bytes scanned)."""
+        where = f"{EXTRA_DIR}/{extra.target.name}"
+        self._refusals.check(
+            where, lambda: _safe_load.refused_in_extra(extra.target, extra.payload, extra.data)
+        )
 
     def _owners(self, path: Path) -> list[SaveListener]:
         return [listener for listener in self._listeners if listener.owns(path)]
@@ -551,6 +567,11 @@ class CheckpointWriter:
             self._async_queue.close()
             self._async_queue = None
         self.shards.close()
+
+
+def _write_extra_later(extra: ExtraFile) -> Callable[[], None]:
+    """The background write of ``extra`` (``_extra.write_extra_file`` looked up when it runs)."""
+    return lambda: _extra.write_extra_file(extra.target, extra.data)
 
 
 def _sharded_parts(

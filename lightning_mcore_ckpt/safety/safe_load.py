@@ -309,11 +309,12 @@ def unsafe_parts(
         return walk(obj, name, root=named)
 
 
-def refused_in_extra(path: Path, payload: Any) -> dict[str, list[str]]:
-    """What of ``payload``, just written to ``path`` (an ``extra/`` file), a load will refuse."""
+def refused_in_extra(path: Path, payload: Any, data: bytes | None = None) -> dict[str, list[str]]:
+    """What of ``payload``, written to ``path`` (an ``extra/`` file; ``data``: its bytes, when
+    they are not in the file yet), a load will refuse."""
     extra = extra_globals()
     with allowing(extra):
-        if not scan(str(path), str(path)):
+        if not scan(str(path) if data is None else io.BytesIO(data), str(path)):
             return {}
     return unsafe_parts(payload, "extra", extra)
 

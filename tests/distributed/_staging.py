@@ -141,11 +141,11 @@ def observe_async_save(
     held = threading.Event()
     stock_write = _shards.ShardWriter.write
 
-    def held_write(self: Any, jobs: Any, write_timer: Any) -> None:
+    def held_write(self: Any, jobs: Any, write_timer: Any, *side: Any) -> None:
         # The background write of the observed save waits until the weights were changed.
         if async_save and not held.is_set():
             assert held.wait(120), "the write was never let go"
-        stock_write(self, jobs, write_timer)
+        stock_write(self, jobs, write_timer, *side)
 
     _shards.ShardWriter.write = held_write  # type: ignore[method-assign]
 
@@ -155,15 +155,20 @@ def observe_async_save(
             if trainer.global_step == SAVE_AT:
                 seen["trained_on"] = next(module.parameters()).device.type
                 seen["before"] = gather_sharded(trainer.strategy.model_sharded_state_dict())
+                seen["rng_at_save"] = torch.get_rng_state()
                 assert spy.staged == [], spy.staged  # the save of this step is the first
 
         def on_train_batch_start(self, trainer: pl.Trainer, module: Any, *args: Any) -> None:
             if trainer.global_step == SAVE_AT:
                 seen.update(spy.summary())
                 seen["pending"] = trainer.strategy._writer.pending_path is not None
+                # This rank's extra/ file: written by the background write too (async).
+                extra = Path(root, "ckpt", f"global_step_{SAVE_AT}", "extra")
+                seen["extra_before_write"] = (extra / f"rank_{rank:05d}.pt").exists()
                 with torch.no_grad():  # training goes on while the background write runs
                     for param in module.parameters():
                         param.add_(1.0)
+                torch.rand(16)  # the RNG moves on too
                 held.set()
 
     strategy = MegatronStrategy(
@@ -185,6 +190,11 @@ def observe_async_save(
     if not async_save:
         held.set()
     trainer.fit(TinyGPTModule(dropout=0.0), StatefulDataLoader(TokenDataset(16), batch_size=2))
+    extra = Path(root, "ckpt", f"global_step_{SAVE_AT}", "extra", f"rank_{rank:05d}.pt")
+    saved = torch.load(extra, weights_only=True)
+    seen["extra_rng_is_the_snapshot"] = torch.equal(
+        saved["rng"]["torch_cpu"], seen.pop("rng_at_save")
+    )
     return seen
 
 
@@ -193,8 +203,14 @@ def check_staging(out: dict[str, Any], accelerator: str, async_save: bool = True
     device = "cuda" if accelerator == "gpu" else "cpu"
     out = {key: value for key, value in out.items() if key != "before"}  # shown on failure
     assert out["trained_on"] == device, out
+    # extra/ holds the RNG as it was at the save, though the RNG moved on during the write.
+    assert out["extra_rng_is_the_snapshot"], out
     if async_save:
         assert out["pending"], out  # the write was still in flight when the weights changed
+        # Our writer's async save writes extra/ in the background, with the shards.
+        assert not out["extra_before_write"], out
+    else:
+        assert out["extra_before_write"], out
     if device == "cpu" and not async_save:
         # A sync save of CPU tensors writes them where they are: nothing to copy.
         assert out["staged"] == 0, out

@@ -155,7 +155,6 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from lightning_mcore_ckpt.engine import CheckpointWriter
     from lightning_mcore_ckpt.format import layout, markers
     from lightning_mcore_ckpt.storage import atomic as _atomic
 
@@ -176,15 +175,17 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
             return original(*args, **kwargs)
 
         patch(filesystem_async, "_write_item", write_item)
-    elif point == "extra":
-        original_extra = CheckpointWriter._write_extra
+    elif point == "extra":  # inline (sync), or in the background (async, our writer)
+        from lightning_mcore_ckpt.engine import _extra
 
-        def write_extra(self: Any, directory: Path, checkpoint: Any, state: Any) -> None:
-            if _target(directory):
+        original_extra = _extra.write_extra_file
+
+        def write_extra_file(target: Path, data: bytes) -> None:
+            if _target(target):
                 act()
-            original_extra(self, directory, checkpoint, state)
+            original_extra(target, data)
 
-        patch(CheckpointWriter, "_write_extra", write_extra)
+        patch(_extra, "write_extra_file", write_extra_file)
     elif point == "dcp_metadata":  # rank 0 writes each dist-checkpoint's .metadata
         writer = filesystem_async.FileSystemWriterAsync
         original_finish = writer.finish

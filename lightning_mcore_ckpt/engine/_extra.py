@@ -41,10 +41,6 @@ class ExtraFile:
         torch.save(payload, buffer)
         return cls(directory / f"rank_{state.rank:05d}.pt", payload, buffer.getvalue())
 
-    def write(self) -> None:
-        """Write it durably (:func:`write_extra_file`)."""
-        write_extra_file(self.target, self.data)
-
 
 def write_extra_file(target: Path, data: bytes) -> None:
     """Write ``data`` to ``target`` durably and atomically, its digest recorded for the step's

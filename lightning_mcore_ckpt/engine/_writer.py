@@ -270,6 +270,11 @@ class CheckpointWriter:
         timed.mark("staging")
         return request, write_timer, sharding
 
+    @property
+    def may_plan_ahead(self) -> bool:
+        """Whether :meth:`plan_ahead` would plan (local, the same on every rank)."""
+        return self.plans.enabled and not self.plans.kept and self.planned_ahead_s is None
+
     def plan_ahead(self, contents: Sequence[str], state: TrainingState) -> bool:
         """Plan the first save now (after the first optimizer step, at setup in effect), so
         that it costs what the later ones do: Megatron-Core's planning, its check that the
@@ -285,12 +290,15 @@ class CheckpointWriter:
         failure on any rank is logged on rank 0 and leaves the first save to plan itself.
         Returns whether it planned.
         """
-        if not self.plans.enabled or self.plans.kept or self.planned_ahead_s is not None:
+        if not self.may_plan_ahead:
             return False
         start = time.perf_counter()
         self.planned_ahead_s = 0.0
         error: BaseException | None = None
-        with tempfile.TemporaryDirectory(prefix="lmc-plan-ahead-") as scratch:
+        # Removed whatever happens; a removal that fails is no failure of the planning.
+        with tempfile.TemporaryDirectory(
+            prefix="lmc-plan-ahead-", ignore_cleanup_errors=True
+        ) as scratch:
             try:
                 for attempt in ("first", "second"):  # Megatron-Core validates the second
                     parts, _ = _sharded_parts(Path(scratch, attempt), contents, state, None)

@@ -704,6 +704,8 @@ class MegatronStrategy(ParallelStrategy):
         with ``ckpt_cache_plans=False`` or once plans are kept. Returns whether it planned; the
         seconds it took are logged (rank 0). See ``CheckpointWriter.plan_ahead``.
         """
+        if not self._writer.may_plan_ahead:  # every step after the first: nothing to build
+            return False
         planned = self._writer.plan_ahead(contents, self._training_state())
         if planned and self.global_rank == 0:
             log.info(

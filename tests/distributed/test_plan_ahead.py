@@ -68,6 +68,7 @@ def _run(
     accumulate: int,
     case: str,
 ) -> dict[str, Any]:
+    import shutil
     import tempfile
 
     import lightning.pytorch as pl
@@ -79,9 +80,10 @@ def _run(
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
-    scratch = Path(root, f"tmp-rank{rank}")
-    scratch.mkdir()
-    tempfile.tempdir = str(scratch)  # where the planning's scratch directories go
+    # Where the planning's scratch directories go: a short path of this rank's own (Megatron-Core's
+    # writer on CPU puts a manager's socket there too, and a socket's path is short).
+    scratch = Path(tempfile.mkdtemp(prefix=f"lmc-pa{rank}-"))
+    tempfile.tempdir = str(scratch)
     counts = {"n": 0}
     _count_collectives(counts)
     per_save: list[int] = []
@@ -134,13 +136,18 @@ def _run(
         enable_checkpointing=True,
     )
     torch.manual_seed(0)
-    trainer.fit(TinyGPTModule(), train_dataloaders=loader(64, 2))
+    try:
+        trainer.fit(TinyGPTModule(), train_dataloaders=loader(64, 2))
+        left = sorted(p.name for p in scratch.glob("lmc-plan-ahead-*"))
+    finally:
+        tempfile.tempdir = None
+        shutil.rmtree(scratch, ignore_errors=True)
     return {
         "per_save": per_save,
         "planned_ahead_s": writer_obj.planned_ahead_s,
         "planned_fresh": writer_obj.plans.planned_fresh,
         "committed": [s.path.name for s in layout.complete_steps(Path(root, "ckpt"))],
-        "scratch_left": sorted(p.name for p in scratch.iterdir()),
+        "scratch_left": left,
         "first_weights": first_weights,
     }
 

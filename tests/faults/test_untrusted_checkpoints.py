@@ -9,9 +9,11 @@ then does it run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,18 @@ def _fit(world_size: int, tmp: str, ckpt_path: str | None = None, **options: Any
     return trainer
 
 
+@contextlib.contextmanager
+def _trusted_by_user() -> Iterator[None]:
+    """Meanwhile, the user trusts every checkpoint as a whole. Lightning 2.6 does not pass
+    fit's weights_only to a strategy that restores after setup: torch's own switch is the one
+    that reaches the load."""
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
+
+
 def _warnings() -> list[str]:
     """Collects this package's warnings (the test reads them from the rank's return value)."""
     seen: list[str] = []
@@ -103,13 +117,8 @@ def _crafted_extra_file(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             refused[str(weights_only)] = str(err)
     dist.barrier()
     ran_before_trusting = marker.exists()
-    # Lightning 2.6 does not pass fit's weights_only to a strategy that restores after setup:
-    # torch's own switch is the one that reaches the load.
-    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
+    with _trusted_by_user():
         trainer = _fit(world_size, tmp, str(step))
-    finally:
-        del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
     dist.barrier()
     return {
         "written": written,
@@ -264,13 +273,8 @@ def _replaced_after_the_check(rank: int, world_size: int, tmp: str, what: str) -
     ran_before_trusting = marker.exists()
     dist.barrier()
     # The replaced file really runs code where the user trusts the checkpoint whole.
-    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
+    with _trusted_by_user(), contextlib.suppress(BaseException):  # what it returns is no state
         _fit(world_size, tmp, str(step))
-    except BaseException:  # noqa: BLE001 - what the crafted file returns is no state
-        pass
-    finally:
-        del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
     dist.barrier()
     return {
         "replaced": replaced,

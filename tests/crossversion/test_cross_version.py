@@ -167,11 +167,13 @@ def test_a_step_written_by_the_newer_version_is_refused_by_the_older_naming_both
         in done.stderr
     ), done.stderr[-4000:]
     assert "Load it with megatron-core >= 0.17" in done.stderr
-    # Nothing written: no step, marker or tracker. The run's lock may be left when Lightning's
-    # launcher kills rank 0 (its peer failed first) before it releases it, or the lock's own
-    # temporary file when the kill lands while rank 0 takes the lock (written, then linked to
-    # the lock's name); the next run recovers a dead owner's lock
-    # (tests/faults/test_damage_lock_input.py).
+    # Nothing written: no step, marker or tracker. The run's lock files may be left, as
+    # Lightning's launcher kills rank 0 (its peer failed first) wherever it is in the lock's
+    # life: the lock itself before rank 0 releases it; the lock's temporary file while rank 0
+    # takes it (written, then linked to the lock's name); the release's claim
+    # (<lock>.claim-<digest>) while rank 0 releases it. The next run recovers each: a dead
+    # owner's lock (tests/faults/test_damage_lock_input.py), a dead release's claim
+    # (tests/faults/test_lock.py).
     after = sorted(p.relative_to(written) for p in written.rglob("*"))
-    lock = [p for p in after if p.name == LOCK_FILE or p.name.startswith(f"{LOCK_FILE}.tmp.")]
+    lock = [p for p in after if p.name == LOCK_FILE or p.name.startswith(f"{LOCK_FILE}.")]
     assert [p for p in after if p not in lock] == before

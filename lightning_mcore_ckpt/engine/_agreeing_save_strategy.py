@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_mcore_ckpt.engine._kept_conversions import KeptConversions
+from lightning_mcore_ckpt.engine._metadata_ahead import KeptResults, SaveAhead, is_agreed
 
 __all__ = ["defer_metadata_errors", "save_strategy"]
 
@@ -36,6 +37,8 @@ def _strategy_class() -> type:
         """Our :class:`~._shards.ShardWriter` writes: results go to a queue of this process."""
         conversions: KeptConversions | None = None
         """With cached plans: the torch sharded tensors kept from the saves before."""
+        kept_results: KeptResults | None = None
+        """Our writer's: the write results of this part's last finalisation (``_metadata_ahead``)."""
 
         def async_save(self, *args: Any, **kwargs: Any) -> Any:
             with contextlib.ExitStack() as stack:
@@ -47,28 +50,51 @@ def _strategy_class() -> type:
                     stack.enter_context(self.conversions.in_use())
                 return super().async_save(*args, **kwargs)
 
-        def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
-            request = super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
+        def _get_save_and_finalize_callbacks(
+            self, writer: Any, save_state_dict_ret: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            request = super()._get_save_and_finalize_callbacks(
+                writer, save_state_dict_ret, *args, **kwargs
+            )
             errors, finalizers = self.deferred_errors, list(request.finalize_fns)
+            ahead = None
+            if self.own_writer:  # .metadata may be written ahead (see _metadata_ahead)
+                if self.kept_results is None:
+                    self.kept_results = KeptResults()
+                _, metadata, dist_wrapper = save_state_dict_ret
+                coordinator = bool(dist_wrapper.is_coordinator)
+                ahead = SaveAhead(self.kept_results, writer, metadata, coordinator)
 
             def finalize() -> None:
-                finish = writer.finish
+                if ahead is not None and is_agreed():
+                    return  # every rank's results were the kept ones: .metadata written ahead
+                finish, retrieve = writer.finish, writer.retrieve_write_results
+                seen: dict[str, Any] = {"mine": None, "everyone": None}
 
-                def finish_or_keep(*a: Any, **k: Any) -> Any:
+                def finish_or_keep(metadata: Any, results: Any, *a: Any, **k: Any) -> Any:
                     try:
-                        return finish(*a, **k)
+                        done = finish(metadata, results, *a, **k)
                     except Exception as err:  # noqa: BLE001 - shared by the writer, then raised
                         errors.append(err)
                         return None
+                    seen["everyone"] = results
+                    return done
+
+                def retrieve_and_see(*a: Any, **k: Any) -> Any:
+                    seen["mine"] = retrieve(*a, **k)
+                    return seen["mine"]
 
                 # Only while finalising, in this process: the request was handed to the
                 # background writer (and pickled, for a persistent one) before.
                 writer.finish = finish_or_keep
+                writer.retrieve_write_results = retrieve_and_see
                 try:
                     for fn in finalizers:
                         fn()
                 finally:
-                    del writer.finish
+                    del writer.finish, writer.retrieve_write_results
+                    if ahead is not None:
+                        ahead.finalized(seen["mine"], seen["everyone"])
 
             request.finalize_fns[:] = [finalize]
             return request

@@ -30,7 +30,6 @@ import functools
 import inspect
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_ckpt.engine import _metadata_ahead
 from lightning_mcore_ckpt.engine._dedup import Dedup
+from lightning_mcore_ckpt.engine._metadata_ahead import SaveAhead, WriteResults
 from lightning_mcore_ckpt.engine._staging import (
     BoundedStaging,
     Slot,
@@ -170,11 +171,13 @@ class ShardWriter:
         snapshot: bool,
         request_class: type,
         side_write: Callable[[], None] | None = None,
+        ahead: Sequence[SaveAhead] = (),
     ) -> Any:
         """One request that writes every ``(name, Megatron-Core request)`` and finalises them in
         order; staged here, on the calling thread (``snapshot``: see :meth:`StagingBuffers.stage`).
         Bounded staging starts the writes here too, and returns once every tensor is copied.
         ``side_write``: another file of the step (its ``extra/``), written by the pool alongside.
+        ``ahead``: the parts' ``.metadata`` written ahead once the files are (``_metadata_ahead``).
         """
         jobs, finalize_fns = [], []
         self._settle()
@@ -200,7 +203,7 @@ class ShardWriter:
                 job.buckets = self.staging.stage(job.name, job.buckets, snapshot)
         else:
             self._stage_bounded(jobs, session)
-        return request_class(self.write, (jobs, write_timer, side_write), finalize_fns)
+        return request_class(self.write, (jobs, write_timer, side_write, ahead), finalize_fns)
 
     def _stage_bounded(self, jobs: Sequence[_Job], session: StagingSession) -> None:
         """Queue every file's write, in order, then copy the tensors in that order (each file
@@ -231,11 +234,14 @@ class ShardWriter:
         jobs: Sequence[_Job],
         write_timer: torch.Tensor,
         side_write: Callable[[], None] | None = None,
-    ) -> None:
+        ahead: Sequence[SaveAhead] = (),
+    ) -> bool:
         """Write every file of ``jobs`` in parallel; each job's results (or its first error) go
         to its results queue, where Megatron-Core's finaliser takes them. ``side_write`` runs
         in the pool alongside; its error is raised once the jobs' results are queued (the save
-        then fails at its finalisation, on every rank); nothing else is raised."""
+        then fails at its finalisation, on every rank); nothing else is raised. Then each part
+        of ``ahead`` compares its results with the kept ones (the coordinator writes its
+        ``.metadata``): returns whether every part's were the kept ones."""
         start = min([time.perf_counter(), *(j.started for j in jobs if j.started is not None)])
         pool = self._threads()
         side = None if side_write is None else pool.submit(side_write)
@@ -260,7 +266,9 @@ class ShardWriter:
             job.results.put(collected)
         if side is not None:
             side.result()
+        held = bool(ahead) and all([part.written() for part in ahead])
         write_timer[0] = time.perf_counter() - start
+        return held
 
     def abort(self) -> None:
         """Stop writing: files in flight stop at their next record (their step stays
@@ -369,20 +377,25 @@ class BackgroundWrites:
             if blocking:
                 future.exception()  # waits
             error = future.exception() if future.done() else None
+            # Done, failed, and whether this rank's write results were the kept ones (its
+            # .metadata written ahead: see _metadata_ahead), agreed over every rank at once.
+            held = future.done() and error is None and future.result() is True
             flags = torch.tensor(
-                [0 if future.done() else 1, 1 if error is not None else 0], device=self._device
+                [0 if future.done() else 1, 1 if error is not None else 0, 0 if held else 1],
+                device=self._device,
             )
             if not no_dist and dist.is_available() and dist.is_initialized():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            not_done, failed = (int(x) for x in flags.cpu())
+            not_done, failed, not_held = (int(x) for x in flags.cpu())
             if failed:
                 self._calls.pop(0)
                 raise error or OtherRankFailed("the background write failed on another rank")
             if not_done:
                 break
             self._calls.pop(0)
-            for fn in request.finalize_fns:
-                fn()
+            with _metadata_ahead.agreed(not not_held):
+                for fn in request.finalize_fns:
+                    fn()
             finalized.append(call_id)
         return finalized
 
@@ -401,7 +414,7 @@ class BackgroundWrites:
         self._shards.resume()
 
 
-def results_queue() -> queue.Queue[Any]:
+def results_queue() -> WriteResults:
     """A results queue of this process (our writer runs in it): replaces Megatron-Core's
     ``multiprocessing.Manager`` queue while our strategy plans a save."""
-    return queue.Queue()
+    return WriteResults()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore_ckpt import _compat
-from lightning_mcore_ckpt.engine import _collectives, _extra, _param_groups
+from lightning_mcore_ckpt.engine import _collectives, _extra, _metadata_ahead, _param_groups
 from lightning_mcore_ckpt.engine._agreeing_save_strategy import save_strategy
 from lightning_mcore_ckpt.engine._collectives import (
     agree_on_failure,
@@ -253,7 +253,10 @@ class CheckpointWriter:
             self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
         strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
         timed.mark("plans")
-        requests = plan_requests(parts, strategies, kept, self.writer, not self.plans.reused)
+        with _metadata_ahead.collecting() as ahead:
+            requests = plan_requests(parts, strategies, kept, self.writer, not self.plans.reused)
+        for part in ahead:  # .metadata written ahead by an async save's background write
+            part.enabled = async_save
         timed.mark("planning")
         write_timer = torch.zeros(1, dtype=torch.float64)
         if own:
@@ -263,6 +266,7 @@ class CheckpointWriter:
                 async_save,
                 _compat.builtin_request_class(),
                 None if extra is None else _write_extra_later(extra),
+                ahead,
             )
         else:
             write_timer.share_memory_()  # written by Megatron-Core's background process

@@ -99,6 +99,15 @@ def first_failure(message: str | None, rank: int, device: torch.device) -> tuple
     return failed_rank, why[0]
 
 
+def on_every_rank(flag: bool, device: torch.device) -> bool:
+    """Collective: whether ``flag`` holds on every rank (this rank's without a process group)."""
+    if not distributed():
+        return flag
+    mine = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    return bool(mine.item())
+
+
 def agree_on_failure(
     error: BaseException | None,
     path: Path,

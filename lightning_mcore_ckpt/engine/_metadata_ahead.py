@@ -1,19 +1,21 @@
-"""An async save's ``.metadata`` written ahead by the background write, not at its finalisation.
+"""A save's ``.metadata`` written ahead with its shards, instead of gathered at its finalisation.
 
 Megatron-Core finalises each part of a save (``model/``, ``optim/``) collectively: every rank's
 write results (which tensor lies in which file, at which offset, how long) are gathered to
 rank 0, which writes the part's ``.metadata`` (torch DCP's index of the files) and fsyncs it.
-For an async save that runs on the training thread, at a later step: a gather and a small
-durable write per part, each save.
+For an async save that runs on the training thread, at a later step; at scale the gather is
+what rank 0 receives most of, each save.
 
 While a part's plan is kept (its structure unchanged), each rank writes the same files with the
 same records: its write results are those of the part's save before. So each rank keeps its own
 results of the part's last finalisation (:class:`KeptResults`), and rank 0 every rank's (what
-that gather returned). When this rank's files are written, the background write compares their
-results with the kept ones (:meth:`SaveAhead.written`); rank 0, when its own are the kept ones,
-also writes ``.metadata`` there from every rank's kept results. The ranks agree on whether every
-rank's results were its kept ones in the all-reduce that already tells them every write is done
-(``BackgroundWrites``), and the finalisation runs under that verdict (:func:`agreed`):
+that gather returned). Once this rank's files are written (by the background write of an async
+save, inline for a sync one), the write compares their results with the kept ones
+(:meth:`SaveAhead.written`); rank 0, when its own are the kept ones, also writes ``.metadata``
+there from every rank's kept results. The ranks agree on whether every rank's results were its
+kept ones (an async save: in the all-reduce that already tells them every write is done,
+``BackgroundWrites``; a sync one: one all-reduce after the write's agreement), and the
+finalisation runs under that verdict (:func:`agreed`):
 
 - every rank's results were the kept ones: the ``.metadata`` written ahead is byte for byte the
   one the gather would have produced, and the finalisation skips the gather and the write;
@@ -23,8 +25,8 @@ rank's results were its kept ones in the all-reduce that already tells them ever
 
 What is kept changes only at a finalisation every rank runs (the same verdict everywhere), so
 rank 0's record of every rank's results and each rank's own always come from the same save;
-rank 0 forgets its record when that finalisation fails. Sync saves, and Megatron-Core's own
-writer, are finalised as before (the verdict defaults to "not agreed").
+rank 0 forgets its record when that finalisation fails. Megatron-Core's own writer is
+finalised as before (the verdict defaults to "not agreed").
 """
 
 from __future__ import annotations
@@ -107,8 +109,6 @@ class SaveAhead:
         self._writer = storage_writer
         self._metadata = metadata
         self._coordinator = coordinator
-        self.enabled = False
-        """Set for an async save of our writer (the only finalisation that takes a verdict)."""
         found = _COLLECTING.get()
         if found is not None:
             found.append(self)
@@ -118,7 +118,7 @@ class SaveAhead:
         part's results are the kept ones (on the coordinator: and ``.metadata`` was written
         from every rank's kept results). Raises nothing: a failure here only means "not the
         kept ones", and the finalisation does what it always did."""
-        if not self.enabled or self._kept.mine is None:
+        if self._kept.mine is None:
             return False
         results = self._writer.results_queue
         collected = {} if results is None else getattr(results, "last", None)

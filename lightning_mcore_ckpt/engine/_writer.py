@@ -22,6 +22,7 @@ from lightning_mcore_ckpt.engine._collectives import (
     broadcast,
     distributed,
     first_failure,
+    on_every_rank,
 )
 from lightning_mcore_ckpt.engine._dedup import frozen_storages
 from lightning_mcore_ckpt.engine._durable import commit_unowned
@@ -253,10 +254,8 @@ class CheckpointWriter:
             self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
         strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
         timed.mark("plans")
-        with _metadata_ahead.collecting() as ahead:
+        with _metadata_ahead.collecting() as ahead:  # .metadata written ahead, our writer's
             requests = plan_requests(parts, strategies, kept, self.writer, not self.plans.reused)
-        for part in ahead:  # .metadata written ahead by an async save's background write
-            part.enabled = async_save
         timed.mark("planning")
         write_timer = torch.zeros(1, dtype=torch.float64)
         if own:
@@ -383,8 +382,9 @@ class CheckpointWriter:
         """Write ``model/`` and ``optim/`` in this thread and finalise them; any rank's failure
         is every rank's."""
         error: BaseException | None = None
+        held = False  # our writer's: whether its records were the kept ones (_metadata_ahead)
         try:
-            request.async_fn(*request.async_fn_args)
+            held = request.async_fn(*request.async_fn_args) is True
         except Exception as err:  # noqa: BLE001 - any write error: shared, then raised
             error = err
         failure = agree_on_failure(
@@ -392,11 +392,14 @@ class CheckpointWriter:
         )
         if failure is not None:
             return failure
+        if self.writer == _compat.THREADS:
+            held = on_every_rank(held, state.device)
         # Collective: shard writers report their errors here (the failing rank's names the
         # cause; the others only learn that a rank failed): share the failing rank's.
         try:
-            for finalize in request.finalize_fns:
-                finalize()
+            with _metadata_ahead.agreed(held):
+                for finalize in request.finalize_fns:
+                    finalize()
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared, re-raised
             error = err
         return agree_on_failure(

@@ -1,22 +1,22 @@
-"""An async save's ``.metadata`` written ahead by the background write (``_metadata_ahead``):
-while every rank's write results are those of the part's last finalisation, the finalisation
-skips Megatron-Core's gather and ``.metadata`` write; whenever any rank's differ, it gathers and
+"""A save's ``.metadata`` written ahead with its shards (``_metadata_ahead``): while every
+rank's write results are those of the part's last finalisation, the finalisation skips
+Megatron-Core's gather and ``.metadata`` write; whenever any rank's differ, it gathers and
 writes as before. Either way each part's ``.metadata`` indexes exactly the records written.
 
 Axes, on 2 gloo ranks with data parallelism (Megatron-Core's fully parallel save), four saves
 of a Trainer run:
-- mode: async, sync (no verdict: every save finalised by Megatron-Core);
+- mode: async (written ahead by the background write), sync (by the inline write);
 - which rank's records move at the second save (8 bytes written before one record of each of
   its files, as a record whose size changed would move them): none, the coordinator (rank 0),
   another rank (rank 1);
 - which part's records move: ``model/``, ``optim/``;
-every pair of the three in six cells. And one on its own: rank 0's write ahead fails at the
+every pair of the three in six cells. And, in both modes, rank 0's write ahead fails at the
 third save (the finalisation writes ``.metadata`` itself).
 
 Each cell asserts, on every rank, which saves were finalised by Megatron-Core (its gather: the
 first save, the moved one and the one after it, whose records moved back), how often rank 0
-wrote ``.metadata`` on the background thread, and for every committed step and part that its
-``.metadata`` indexes exactly the records every rank wrote (file, offset, length of each).
+wrote ``.metadata`` ahead, and for every committed step and part that its ``.metadata``
+indexes exactly the records every rank wrote (file, offset, length of each).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _run(
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
-    from lightning_mcore_ckpt.engine import _shards
+    from lightning_mcore_ckpt.engine import _metadata_ahead, _shards
     from lightning_mcore_ckpt.format import layout
     from lightning_mcore_ckpt.tiny import TinyGPTModule
 
@@ -62,13 +62,24 @@ def _run(
         finalised_by_mcore[-1] += 1
         return retrieve(self)
 
+    ahead = threading.local()  # set while a SaveAhead checks its records (and writes ahead)
+    check = _metadata_ahead.SaveAhead.written
+
+    def watched_check(self: Any) -> bool:
+        ahead.inside = True
+        try:
+            return check(self)
+        finally:
+            ahead.inside = False
+
     def watched_finish(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name.startswith("lmc-background-save"):
+        if getattr(ahead, "inside", False):
             if case == "ahead-fails" and save_index["n"] == AHEAD_FAILS_AT:
                 raise OSError("no space left on device (injected into the write ahead)")
             written_ahead[-1] += 1
         return finish(self, *args, **kwargs)
 
+    _metadata_ahead.SaveAhead.written = watched_check  # type: ignore[method-assign]
     writer_class.retrieve_write_results = counted_retrieve
     writer_class.finish = watched_finish
 
@@ -129,16 +140,12 @@ def _run(
     }
 
 
-def _check(
-    tmp_path: Path, results: list[dict[str, Any]], async_save: bool, moved: str | None, case: str
-) -> None:
+def _check(tmp_path: Path, results: list[dict[str, Any]], moved: str | None, case: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     steps = [f"global_step_{EVERY * (i + 1)}" for i in range(SAVES)]
     gathered = {0}  # the first save: nothing kept yet
-    if not async_save:
-        gathered = set(range(SAVES))
-    elif moved is not None:
+    if moved is not None:
         gathered |= {MOVED_AT, MOVED_AT + 1}  # moved, then moved back
     elif case == "ahead-fails":
         gathered |= {AHEAD_FAILS_AT}
@@ -150,11 +157,7 @@ def _check(
         # kept ones (from the second save on), whatever the other ranks' turn out to be.
         mine_moved = moved is not None and moved.startswith("0:")
         ahead = [
-            0
-            if i == 0 or rank != 0 or not async_save
-            else 1
-            if mine_moved and i - MOVED_AT in (0, 1)
-            else 2
+            0 if i == 0 or rank != 0 else 1 if mine_moved and i - MOVED_AT in (0, 1) else 2
             for i in range(SAVES)
         ]
         if case == "ahead-fails":
@@ -197,11 +200,12 @@ def test_metadata_indexes_the_records_written_whether_written_ahead_or_gathered(
     tmp_path: Path, async_save: bool, moved: str | None
 ) -> None:
     results = run_distributed(_run, 2, str(tmp_path), async_save, moved, "", timeout=240)
-    _check(tmp_path, results, async_save, moved, "")
+    _check(tmp_path, results, moved, "")
 
 
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_a_failed_write_ahead_leaves_the_finalisation_to_write_the_metadata(
-    tmp_path: Path,
+    tmp_path: Path, async_save: bool
 ) -> None:
-    results = run_distributed(_run, 2, str(tmp_path), True, None, "ahead-fails", timeout=240)
-    _check(tmp_path, results, True, None, "ahead-fails")
+    results = run_distributed(_run, 2, str(tmp_path), async_save, None, "ahead-fails", timeout=240)
+    _check(tmp_path, results, None, "ahead-fails")

@@ -46,17 +46,37 @@ _COLLECTIVES = (
 
 def _count_collectives(counts: dict[str, int]) -> None:
     """Count every call of torch.distributed's collectives (as Megatron-Core and torch DCP
-    call them: ``torch.distributed.<name>``) into ``counts``."""
+    call them: ``torch.distributed.<name>``) into ``counts``: ``"n"``, or ``"finalising"`` for
+    those of Megatron-Core's finalisers run by our writer (under ``_metadata_ahead.agreed``)."""
+    import contextlib
+
     import torch.distributed as dist
+
+    from lightning_mcore_ckpt.engine import _metadata_ahead
+
+    inside = {"finalisers": False}
 
     for name in _COLLECTIVES:
         original = getattr(dist, name)
 
         def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            counts["n"] += 1
+            counts["finalising" if inside["finalisers"] else "n"] += 1
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
+
+    agreed = _metadata_ahead.agreed
+
+    @contextlib.contextmanager
+    def finalisers(everywhere: bool) -> Any:
+        inside["finalisers"] = True
+        try:
+            with agreed(everywhere):
+                yield
+        finally:
+            inside["finalisers"] = False
+
+    _metadata_ahead.agreed = finalisers
 
 
 def _run(
@@ -84,10 +104,10 @@ def _run(
     # writer on CPU puts a manager's socket there too, and a socket's path is short).
     scratch = Path(tempfile.mkdtemp(prefix=f"lmc-pa{rank}-"))
     tempfile.tempdir = str(scratch)
-    counts = {"n": 0}
+    counts = {"n": 0, "finalising": 0}
     _count_collectives(counts)
     per_save: list[int] = []  # the save call's collectives (planning; a sync save's write)
-    finalising: list[int] = []  # the finalisation's after it (an async save's)
+    finalising: list[int] = []  # the finalisation's (a sync save's inside it, an async's after)
     first_weights: dict[str, torch.Tensor] = {}
 
     strategy = MegatronStrategy(
@@ -98,12 +118,12 @@ def _run(
 
     def counted_save(*args: Any, **kwargs: Any) -> Any:
         writer_obj.finalize(blocking=True)  # the previous save's finalising is not this one's
-        before = counts["n"]
+        before, finalisers = counts["n"], counts["finalising"]
         out = save(*args, **kwargs)
         planned = counts["n"]
         writer_obj.finalize(blocking=True)
         per_save.append(planned - before)
-        finalising.append(counts["n"] - planned)
+        finalising.append(counts["n"] - planned + counts["finalising"] - finalisers)
         if len(per_save) == 1:
             first_weights.update(gather_sharded(strategy.model_sharded_state_dict()))
         return out
@@ -176,9 +196,7 @@ def _saved_weights(rank: int, world_size: int, step_dir: str, grown: bool) -> di
     return gather_sharded(trainer.strategy.model_sharded_state_dict())
 
 
-def _check(
-    tmp_path: Path, results: list[dict[str, Any]], case: str, async_threads: bool = False
-) -> None:
+def _check(tmp_path: Path, results: list[dict[str, Any]], case: str, threads: bool = False) -> None:
     steps = [f"global_step_{EVERY * (i + 1)}" for i in range(SAVES)]
     for rank, out in enumerate(results):
         assert out["committed"] == steps, (rank, out["committed"])
@@ -197,11 +215,11 @@ def _check(
             # or assigned afresh. Planned afresh once, ahead.
             assert per_save[0] == per_save[-1], (rank, per_save)
             assert out["planned_fresh"] == 1, (rank, out["planned_fresh"])
-            # Its finalisation too, but for an async save of our writer: the later ones skip
-            # the gather of the write results that the first needs (nothing kept yet to write
-            # .metadata ahead from: tests/distributed/test_metadata_ahead.py).
+            # Its finalisation too, but for our writer: the later ones skip the gather of the
+            # write results that the first needs (nothing kept yet to write .metadata ahead
+            # from: tests/distributed/test_metadata_ahead.py).
             first, last = out["finalising"][0], out["finalising"][-1]
-            assert first == last or (async_threads and first > last), (rank, out["finalising"])
+            assert first == last or (threads and first > last), (rank, out["finalising"])
         else:
             # Its plan could not be used (the structure changed, or the planning failed):
             # the first save planned itself.
@@ -235,7 +253,7 @@ def test_the_first_save_runs_the_collectives_of_the_later_ones(
     results = run_distributed(
         _run, 2, str(tmp_path), async_save, writer, accumulate, "planned", timeout=240
     )
-    _check(tmp_path, results, "planned", async_save and writer == "threads")
+    _check(tmp_path, results, "planned", writer == "threads")
 
 
 @pytest.mark.parametrize("case", ["grows", "no-cache", "fails"])

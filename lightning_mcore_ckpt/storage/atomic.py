@@ -7,6 +7,7 @@ rename, the parent directory after it.
 - :func:`write_bytes` / :func:`write_text` / :func:`write_json`: one file.
 - :func:`staged_directory`: a directory written under a temporary sibling name, fsynced, and
   renamed into place (replacing an existing one only when asked).
+- :func:`leftovers`: the temporary files of :func:`write_with` that a killed writer left.
 
 Imports nothing from the package.
 """
@@ -25,6 +26,7 @@ from typing import IO, Any
 __all__ = [
     "fsync_dir",
     "fsync_tree",
+    "leftovers",
     "staged_directory",
     "write_bytes",
     "write_json",
@@ -84,7 +86,7 @@ def write_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) 
     rename over ``path``, fsync of the directory. On any error the temporary file is removed and
     ``path`` is untouched."""
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    tmp = target.with_name(f"{_temporary_prefix(target)}{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -95,6 +97,23 @@ def write_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) 
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
+
+
+def _temporary_prefix(target: Path) -> str:
+    return f".{target.name}.tmp."
+
+
+def leftovers(path: str | os.PathLike[str]) -> list[Path]:
+    """The temporary siblings of ``path`` that :func:`write_with` made and never renamed: a
+    writer killed between its write and its rename (an error removes its own). Only whoever
+    knows that nobody else is writing ``path`` now may delete them."""
+    target = Path(path)
+    prefix = _temporary_prefix(target)
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return []
+    return sorted(target.parent / n for n in names if n.startswith(prefix))
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes | bytearray | memoryview) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_mcore_ckpt.format import layout, markers, retention
 from lightning_mcore_ckpt.format.layout import StepDir
+from lightning_mcore_ckpt.storage import atomic as _atomic
 
 __all__ = ["LocalTier"]
 
@@ -101,6 +102,11 @@ class LocalTier:
             if stale.step < newest and markers.is_managed(stale.path):
                 log.info("removing incomplete %s (a newer step is committed)", stale.path)
                 retention.remove_step(stale.path)
+        # Only this thread writes the tracker, and the directory's lock keeps other runs out:
+        # a temporary tracker file here was left by a run killed between its write and rename.
+        for leftover in _atomic.leftovers(self.root / layout.TRACKER_FILE):
+            log.info("removing %s (left by a run killed while it wrote the tracker)", leftover)
+            leftover.unlink(missing_ok=True)
 
     def remove(self, step: StepDir) -> None:
         if step.path.is_dir() and markers.is_managed(step.path):

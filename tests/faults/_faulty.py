@@ -225,6 +225,29 @@ def inject(fault: str | None, rank: int, events_to: Path | None = None) -> Calla
             original_tracker(dirpath, step)
 
         patch(layout, "write_tracker", write_tracker)
+    elif point == "in_tracker":  # step 4's tracker file written, not yet renamed into place
+        original_tracker = layout.write_tracker
+        original_with = _atomic.write_with
+
+        def write_and_act(path: Any, write: Callable[[Any], Any]) -> None:
+            def then_act(f: Any) -> None:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+                act()
+
+            original_with(path, then_act)
+
+        def write_tracker(dirpath: Any, step: int) -> None:
+            if step != FAULT_STEP:
+                return original_tracker(dirpath, step)
+            _atomic.write_with = write_and_act
+            try:
+                original_tracker(dirpath, step)
+            finally:
+                _atomic.write_with = original_with
+
+        patch(layout, "write_tracker", write_tracker)
     elif point == "retention":
         original_rmtree = shutil.rmtree
 

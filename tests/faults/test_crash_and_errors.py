@@ -25,6 +25,7 @@ import pytest
 from _faulty import FAULT_STEP, MAX_STEPS, listing, same_run, train
 
 from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.storage import atomic
 from lightning_mcore_ckpt.storage.lock import LOCK_FILE
 from lightning_mcore_ckpt.testing import DistributedFailure, run_distributed
 
@@ -52,6 +53,9 @@ KILLS = {
     "before_commit": (["global_step_2", f"global_step_{FAULT_STEP}?"], 2),
     # Marker written, tracker not yet updated: step 4 is complete, the tracker says 2.
     "before_tracker": (["global_step_2", f"global_step_{FAULT_STEP}"], 4),
+    # The tracker's new contents written to its temporary file, not yet renamed: the same,
+    # and the temporary file stays until the next run's commit removes it.
+    "in_tracker": (["global_step_2", f"global_step_{FAULT_STEP}"], 4),
     # Step 4 committed; killed halfway through deleting step 2 (its marker went first).
     "retention": (["global_step_2?", f"global_step_{FAULT_STEP}"], 4),
 }
@@ -67,6 +71,9 @@ def test_sigkill_during_a_save_loses_nothing_committed(
     steps = [name for name in listing(tmp_path) if name.startswith("global_step_")]
     assert steps == on_disk
     assert LOCK in listing(tmp_path)  # left by the killed run; recovered below
+    left = atomic.leftovers(tmp_path / "ckpt" / TRACKER)
+    assert len(left) == (point == "in_tracker"), left
+    assert layout.read_tracker(tmp_path / "ckpt") == (resume_at if point == "retention" else 2)
     resumed = run_distributed(train, 1, str(tmp_path), None, timeout=200)[0]
     same_run(resumed, reference, resume_at)
     # max_to_keep=1: only the final step remains; crashed leftovers were cleaned up.

@@ -36,6 +36,7 @@ from _node_dirs import node_local
 from lightning_mcore_ckpt.fast import files
 from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.launch.namespaces import node_storage
+from lightning_mcore_ckpt.storage import atomic
 from lightning_mcore_ckpt.strategy.roll_call import ROLL_CALL_S, STORE_S
 from lightning_mcore_ckpt.testing import RankOutcome, run_nodes
 
@@ -141,13 +142,18 @@ def test_a_silent_node_ends_every_other_rank_within_the_timeout_and_costs_nothin
     else:
         assert tracked == (committed[-1] if committed else None), tracked
     # Global rank 0 holds the directory's lock: silent, then killed, it leaves it (a dead
-    # holder's lock, which the next run takes over).
+    # holder's lock, which the next run takes over). Silenced while writing the tracker, it
+    # leaves the tracker's temporary file (which the next run's commit removes:
+    # test_crash_and_errors.py, "in_tracker").
     lock = {".lightning_mcore_ckpt.lock"} if node == 0 else set()
+    left = {p.name for p in atomic.leftovers(root / layout.TRACKER_FILE)}
+    assert node == 0 or not left, left
     assert set(listing(run)) <= {
         "global_step_2" if committed else "global_step_2?",
         f"global_step_{FAULT_STEP}?",
         "latest_checkpointed_iteration.txt",
         *lock,
+        *left,
     }
 
 

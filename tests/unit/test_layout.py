@@ -47,6 +47,23 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     ]
 
 
+def test_leftovers_are_a_files_unrenamed_temporaries_only(tmp_path: Path) -> None:
+    tracker = tmp_path / layout.TRACKER_FILE
+
+    def killed(f: object) -> None:
+        raise KeyboardInterrupt  # an error removes the temporary: the kill is simulated below
+
+    with pytest.raises(KeyboardInterrupt):
+        _atomic.write_with(tracker, killed)
+    assert _atomic.leftovers(tracker) == []
+    left = tmp_path / f".{layout.TRACKER_FILE}.tmp.4242.0badcafe"  # as a killed writer leaves
+    left.write_text("4\n")
+    (tmp_path / ".m.json.tmp.4242.0badcafe").write_text("{}")  # another file's
+    (tmp_path / f"{layout.TRACKER_FILE}.tmp.1.2").write_text("")  # not write_with's name
+    assert _atomic.leftovers(tracker) == [left]
+    assert _atomic.leftovers(tmp_path / "missing" / layout.TRACKER_FILE) == []
+
+
 def test_last_follows_the_tracker(tmp_path: Path) -> None:
     _step(tmp_path, 2)
     _step(tmp_path, 4)

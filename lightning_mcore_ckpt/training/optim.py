@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_mcore_ckpt.training._kept_optim_tensors import kept_for
+
 __all__ = [
     "init_state",
     "load_sharded",
@@ -238,7 +240,8 @@ def sharded_state_dict(
                 id_map[key] = sharded  # type: ignore[index]
                 state["state"][key] = {name: torch.zeros_like(outside[i]) for name in sorted(names)}
     scalar_keys = sorted({key for found in scalars for key in found})
-    optim_state_to_sharding_state(state, id_map, exclude_keys=tuple(scalar_keys))
+    with kept_for(optimizer).in_use():
+        optim_state_to_sharding_state(state, id_map, exclude_keys=tuple(scalar_keys))
     return state
 
 

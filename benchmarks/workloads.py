@@ -87,23 +87,31 @@ class PeakRSS:
 
 class DevicePeak:
     """Peak device memory allocated while inside (``torch.cuda.max_memory_allocated``, reset at
-    the start), and what was allocated at the start; ``None`` for a CPU device."""
+    the start), and what was allocated at the start; ``None`` for a CPU device.
 
-    def __init__(self, device: torch.device) -> None:
+    ``synchronize``: wait for the device at both ends (what :class:`Measure` times then starts
+    and ends with the device idle). The allocator's figures are the host's bookkeeping and need
+    no wait: a probe inside a save that is timed by its own code passes ``False``, so that the
+    save's time does not include the training step's kernels still running."""
+
+    def __init__(self, device: torch.device, *, synchronize: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.synchronize = synchronize and self.cuda
         self.base: int | None = None
         self.peak: int | None = None
 
     def __enter__(self) -> DevicePeak:
         if self.cuda:
-            torch.cuda.synchronize()
+            if self.synchronize:
+                torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            if self.synchronize:
+                torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()
 
 
@@ -316,7 +324,11 @@ def _probe_class() -> Any:
         """Around every save the Trainer makes into ``dirpath``: the device of the state it
         saves and the peak device memory of its blocking part; and the host memory from just
         before the run's first save until every save is durable (the strategy's
-        ``on_train_end`` waits for the last one), above the level just before the first."""
+        ``on_train_end`` waits for the last one), above the level just before the first.
+
+        A save's blocking time is timed by the library from before this probe is called: the
+        probe looks at the state after the save returns (the same tensors) and does not wait
+        for the device, so that none of its own work is counted in the save's time."""
 
         def __init__(self, dirpath: Path) -> None:
             self.dirpath = Path(dirpath).resolve()
@@ -334,16 +346,16 @@ def _probe_class() -> Any:
                 if not Path(filepath).resolve().is_relative_to(self.dirpath):
                     save(checkpoint, filepath, storage_options)
                     return
+                if self.rss is None:
+                    self.rss = PeakRSS().__enter__()
+                with DevicePeak(strategy.root_device, synchronize=False) as peak:
+                    save(checkpoint, filepath, storage_options)
+                if peak.peak is not None:
+                    self.device_peaks.append(peak.peak)
                 state = state_tensors(pl_module, strategy._torch_optimizers())
                 self.devices.add(device_of(state))
                 self.in_fit.add(in_fit(trainer))
                 self.state_bytes = nbytes(state)
-                if self.rss is None:
-                    self.rss = PeakRSS().__enter__()
-                with DevicePeak(strategy.root_device) as peak:
-                    save(checkpoint, filepath, storage_options)
-                if peak.peak is not None:
-                    self.device_peaks.append(peak.peak)
 
             def probed_end() -> None:
                 end()

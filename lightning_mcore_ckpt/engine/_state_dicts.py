@@ -181,12 +181,14 @@ def optimizer_sharded_state_dict(
 
 
 def optimizers_to_save(
-    state: TrainingState,
+    state: TrainingState, model_ssd: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
     """The optimizers' sharded state dict for a save, the content metadata saved with it, and
     the distributed optimizer's sharding type for ``metadata.json`` (``None``: there is none).
 
-    Saving consumes the model's sharded dict: the optimizers are mapped onto a new one. With a
+    ``model_ssd``: the model's sharded dict of the same save, not planned yet (its planning
+    changes it), onto which the optimizers are mapped, as Megatron-LM maps them onto the dict
+    it saves; mapping them leaves it as it was. ``None``: a new one is built. With a
     distributed optimizer, the common state also records which parameters each of its groups
     holds (:mod:`._param_groups`; collective).
     """
@@ -194,9 +196,9 @@ def optimizers_to_save(
     # Which parameters each distributed optimizer group holds (collective): a load in another
     # layout (expert parallelism: other inner optimizers) maps the groups by parameter.
     groups = _param_groups.record(state.optimizers, state.model_sharded_state_dict)
-    ssd = optimizer_sharded_state_dict(
-        state.optimizers, state.module, state.model_sharded_state_dict(), False, metadata
-    )
+    if model_ssd is None:
+        model_ssd = state.model_sharded_state_dict()
+    ssd = optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, False, metadata)
     if groups is not None:
         ssd[_param_groups.RECORD_KEY] = groups
     sharding = state.optimizer_sharding if distributed_optimizers(state.optimizers) else None

@@ -596,13 +596,16 @@ def _sharded_parts(
     that a step at ``path`` holds, and the optimizer's sharding; each built part is marked on
     ``timed``."""
     parts: list[tuple[dict[str, Any], Path, dict[str, Any] | None]] = []
+    model_ssd = None
     if "model" in contents:
-        parts.append((state.model_sharded_state_dict(), path / MODEL_DIR, None))
+        model_ssd = state.model_sharded_state_dict()
+        parts.append((model_ssd, path / MODEL_DIR, None))
     if timed is not None:
         timed.mark("model_state_dict")
     sharding = None
     if "optimizer" in contents and state.optimizers:
-        optim_ssd, optim_meta, sharding = optimizers_to_save(state)
+        # Mapped onto the model's dict before either part is planned (planning changes it).
+        optim_ssd, optim_meta, sharding = optimizers_to_save(state, model_ssd)
         parts.append((optim_ssd, path / OPTIM_DIR, optim_meta))
     if timed is not None:
         timed.mark("optimizer_state_dict")

@@ -320,9 +320,12 @@ class DirectoryLock:
     def _remove_old_claims(self) -> None:
         # A claim left by a process that died in mid-takeover names a lock that no longer
         # exists (every lock has its own token). The claim on this lock's bytes, or a young
-        # one, may be a live process's: kept.
+        # one, may be a live process's: kept. So are the temporary files of _create: one a
+        # process killed between writing and removing it left behind is old; a live one's
+        # lasts a moment.
         mine = self._claim_path(self._data)
-        for old in self.path.parent.glob(f"{LOCK_FILE}.claim-*"):
+        parent = self.path.parent
+        for old in [*parent.glob(f"{LOCK_FILE}.claim-*"), *parent.glob(f"{LOCK_FILE}.tmp.*")]:
             try:
                 orphan = time.time() - old.stat().st_mtime > _CLAIM_ORPHAN_S
             except OSError:

@@ -320,3 +320,22 @@ def test_an_old_claim_from_another_host_does_not_block_the_next_run(tmp_path: Pa
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert not claim.exists()
     lock.release()
+
+
+def test_a_temporary_lock_file_left_by_a_killed_run_is_removed_and_a_young_one_kept(
+    tmp_path: Path,
+) -> None:
+    """A run killed while creating the lock (its complete file written, not yet linked to the
+    lock's name) leaves that file; the next run that takes the lock removes it once it is old
+    (a live process's exists for a moment, on this host or another)."""
+    old = tmp_path / f"{LOCK_FILE}.tmp.4242.0badcafe"
+    young = tmp_path / f"{LOCK_FILE}.tmp.4343.0badcafe"
+    for path in (old, young):
+        path.write_bytes(b"{}\n")
+    then = time.time() - 3600
+    os.utime(old, (then, then))
+    lock = DirectoryLock(tmp_path)
+    lock.acquire()
+    assert not old.exists()
+    assert young.exists()
+    lock.release()

@@ -5,7 +5,8 @@ DCP's ``finish``) and its ``metadata.json`` (``save_config``), each followed by 
 the other ranks already wait in. Raised there, rank 0's error would leave them waiting until
 the process group's timeout (tens of minutes on a cluster). Here those two errors are kept
 instead, the collectives complete, and the writer shares them right after (``agree_on_failure``),
-so that every rank raises the same error within seconds.
+so that every rank raises the same error within seconds. ``metadata.json``'s barrier is left
+out: that agreement orders every rank after rank 0's write as the barrier did.
 """
 
 from __future__ import annotations
@@ -182,7 +183,10 @@ def defer_metadata_errors(
     """In place: Megatron-Core's ``metadata_finalize_fn`` of the request that
     ``dist_checkpointing.save(..., sharded_strategy=strategy)`` returned for ``directory``
     (rank 0 writes ``metadata.json``, then every rank waits in a barrier), with rank 0's error
-    kept in ``errors``. A request without it is left as it is."""
+    kept in ``errors`` and without the barrier. The writer's agreement on rank 0's kept error,
+    which every rank enters after the finalisers, orders every rank after the write as the
+    barrier did: one collective a save instead of three. A request without it is left as it
+    is."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     for index, fn in enumerate(request.finalize_fns):
@@ -196,7 +200,6 @@ def defer_metadata_errors(
                         )
                     except Exception as err:  # noqa: BLE001 - shared by the writer, then raised
                         errors.append(err)
-                dist.barrier()
 
             request.finalize_fns[index] = finalize
             return

@@ -193,11 +193,12 @@ def optimizers_to_save(
     holds (:mod:`._param_groups`; collective).
     """
     metadata = megatron_optimizer_metadata(state.optimizer_sharding)
-    # Which parameters each distributed optimizer group holds (collective): a load in another
-    # layout (expert parallelism: other inner optimizers) maps the groups by parameter.
-    groups = _param_groups.record(state.optimizers, state.model_sharded_state_dict)
     if model_ssd is None:
         model_ssd = state.model_sharded_state_dict()
+    # Which parameters each distributed optimizer group holds (collective): a load in another
+    # layout (expert parallelism: other inner optimizers) maps the groups by parameter. It only
+    # reads the model's dict, the same one.
+    groups = _param_groups.record(state.optimizers, lambda: model_ssd)
     ssd = optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, False, metadata)
     if groups is not None:
         ssd[_param_groups.RECORD_KEY] = groups

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lightning_mcore_ckpt.engine._collectives import cpu_group, distributed
 
-__all__ = ["RECORD_KEY", "inner_counts", "record", "regroup"]
+__all__ = ["RECORD_KEY", "inner_counts", "record", "regroup", "this_ranks_groups"]
 
 RECORD_KEY = "distributed_optimizer_param_groups"
 """The key of the record in ``optim/``'s common state: ``{"optimizer_<i>": [per inner
@@ -86,21 +86,21 @@ def record(
 ) -> dict[str, Any] | None:
     """Which parameters each group of each distributed optimizer holds, whole: the keys of
     every rank's shard of it (collective when the process group is up: every rank calls it, in
-    the same order, and gets the same answer). ``None``: no distributed optimizer.
-    ``model_ssd`` builds the model's sharded state dict (only called when there is one: it is
-    a fixed cost of every save)."""
-    if inner_counts(optimizers) is None:
+    the same order, and gets the same answer).
+    ``None``: no distributed optimizer. ``model_ssd`` builds the model's sharded state dict
+    (only called when there is one: it is a fixed cost of every save)."""
+    mine = this_ranks_groups(optimizers, model_ssd)
+    if mine is None:
         return None
-    keys = _param_keys(model_ssd())
-    mine = {
-        f"optimizer_{idx}": [_groups_of(o, keys) for o in _inner(opt)]
-        for idx, opt in enumerate(optimizers)
-        if _is_distributed(opt)
-    }
     gathered: list[Any] = [mine]
     if distributed() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=cpu_group())
+    return _merged(mine, gathered)
+
+
+def _merged(mine: dict[str, Any], gathered: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's groups (``gathered``, in the structure of ``mine``) merged by position."""
     out: dict[str, Any] = {}
     for name, inners in mine.items():
         merged = [[set[str]() for _ in groups] for groups in inners]
@@ -110,6 +110,23 @@ def record(
                     merged[i][j].update(group)
         out[name] = [[sorted(g) for g in groups] for groups in merged]
     return out
+
+
+def this_ranks_groups(
+    optimizers: Sequence[Any], model_ssd: Callable[[], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """:func:`record`'s answer for this rank's parameters alone (local: no collective): what a
+    load maps its groups by. Each rank's live groups are its own optimizer's, so the keys of
+    its own parameters find their saved groups; gathering every rank's keys to every rank at a
+    load would grow with the ranks. ``None``: no distributed optimizer."""
+    if inner_counts(optimizers) is None:
+        return None
+    keys = _param_keys(model_ssd())
+    return {
+        f"optimizer_{idx}": [[sorted(g) for g in _groups_of(o, keys)] for o in _inner(opt)]
+        for idx, opt in enumerate(optimizers)
+        if _is_distributed(opt)
+    }
 
 
 def _saved_parts(state: dict[Any, Any]) -> list[dict[str, Any]]:

@@ -267,18 +267,14 @@ class CheckpointReader:
         Unless ``trusted``, its index and non-tensor objects are checked first (every rank
         reads the same files, so every rank raises the same refusal).
         """
-        from megatron.core import dist_checkpointing
 
         if not trusted:
             _safe_dcp.check_dist_checkpoint(path / MODEL_DIR)
         left_out = set(self.check_shapes(path / MODEL_DIR, state, trusted=trusted))
 
-        with views_readable(checked=not trusted):
-            loaded = dist_checkpointing.load(
-                _without_keys(state.model_sharded_state_dict(), left_out),
-                str(path / MODEL_DIR),
-                sharded_strategy=self._load_strategy(path / MODEL_DIR),
-            )
+        loaded = self._sharded_load(
+            _without_keys(state.model_sharded_state_dict(), left_out), path / MODEL_DIR, trusted
+        )
         state.module.load_state_dict(to_module_keys(state.module, loaded), strict=state.strict)
 
     def load_optimizers(
@@ -288,7 +284,6 @@ class CheckpointReader:
 
         Checked first unless ``trusted``, as in :meth:`load_weights`.
         """
-        from megatron.core import dist_checkpointing
         from megatron.core.optimizer import MegatronOptimizer
 
         if not trusted:
@@ -309,19 +304,40 @@ class CheckpointReader:
             if not dist_opt.optimizer.state:
                 _optim.init_state(dist_opt.optimizer)
         metadata = self._optimizer_format(directory, state, trusted)
-        with views_readable(checked=not trusted):
-            loaded = dist_checkpointing.load(
-                optimizer_sharded_state_dict(
-                    state.optimizers, state.module, model_ssd, True, metadata
-                ),
-                str(directory),
-                sharded_strategy=self._load_strategy(directory),
-            )
+        loaded = self._sharded_load(
+            optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, True, metadata),
+            directory,
+            trusted,
+        )
         saved_groups = loaded.pop(_param_groups.RECORD_KEY, None)
         if metadata["distrib_optim_sharding_type"] == "fully_reshardable":
             self._regroup(loaded, saved_groups, state)
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         _rank_state.apply_optimizer_state(state, loaded, stateless)
+
+    def _sharded_load(
+        self, sharded_state_dict: dict[str, Any], directory: Path, trusted: bool
+    ) -> dict[str, Any]:
+        """Megatron-Core's load of ``directory`` into ``sharded_state_dict`` (collective), its
+        index and objects checked unless ``trusted``.
+
+        Without Megatron-Core's access-integrity check (``validate_access_integrity``): it
+        all-gathers every rank's sharded tensors' metadata to every rank, so that rank 0 can
+        check that the ranks' shards cover each tensor once. That checks the structure being
+        loaded into, not the step; each rank reads exactly the shards its own sharded tensors
+        name, whatever the others hold, and every save of a structure checks it (each plan made
+        afresh, the first save's planned ahead included). At 1,024 ranks every rank would
+        receive the metadata of all of them; and its refusal is raised on rank 0 alone."""
+        from megatron.core import dist_checkpointing
+
+        with views_readable(checked=not trusted):
+            loaded: dict[str, Any] = dist_checkpointing.load(
+                sharded_state_dict,
+                str(directory),
+                sharded_strategy=self._load_strategy(directory),
+                validate_access_integrity=False,
+            )
+        return loaded
 
     @staticmethod
     def _regroup(loaded: dict[str, Any], saved: Any, state: TrainingState) -> None:
@@ -329,7 +345,7 @@ class CheckpointReader:
         (:mod:`._param_groups`; collective). A step written before the record has the live
         structure (an expert-parallel change was refused before the load): Megatron-Core pairs
         its groups itself."""
-        live = _param_groups.record(state.optimizers, state.model_sharded_state_dict)
+        live = _param_groups.this_ranks_groups(state.optimizers, state.model_sharded_state_dict)
         if saved is None or live is None:
             return
         problem: str | None = None

@@ -10,9 +10,6 @@ broadcast of the union; the same keys everywhere: the broadcast of rank 0's scal
 
 from __future__ import annotations
 
-import inspect
-import pickle
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,8 +19,6 @@ from lightning_mcore_ckpt.testing import run_distributed
 pytestmark = pytest.mark.timeout(300)
 
 STAGES = 2
-OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list")
-TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "gather", "reduce")
 
 SHARED = "decoder.layers.self_attention.linear_qkv.weight"
 FIRST_ONLY = "embedding.word_embeddings.weight"
@@ -60,64 +55,16 @@ def _expected(world: int, stages: bool) -> tuple[list[dict[str, Any]], list[str]
     )
 
 
-def _pickled(obj: Any) -> int:
-    return len(pickle.dumps(obj))
-
-
-def _tensor_bytes(value: Any) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-def _record(calls: list[tuple[str, int]]) -> None:
-    """Wrap ``torch.distributed``'s collectives: each call's name and the bytes this rank
-    received (objects pickled; another rank's part of a gather, a broadcast from another)."""
-    import torch.distributed as dist
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(fn)
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
-            arguments = signature.bind(*args, **kwargs).arguments
-            me = dist.get_rank()
-            received = 0
-            if name == "all_gather_object":
-                parts = arguments["object_list"]
-                received = sum(_pickled(p) for i, p in enumerate(parts) if i != me)
-            elif name == "gather_object":
-                parts = arguments.get("object_gather_list") or []
-                received = sum(_pickled(p) for i, p in enumerate(parts) if i != me)
-            elif name == "broadcast_object_list":
-                if arguments.get("src", 0) != me:
-                    received = _pickled(arguments["object_list"])
-            elif name in ("all_reduce", "all_gather"):
-                received = _tensor_bytes(arguments.get("tensor_list") or arguments["tensor"])
-            elif name == "broadcast" and arguments.get("src", 0) != me:
-                received = _tensor_bytes(arguments["tensor"])
-            calls.append((name, received))
-            return result
-
-        return recorded
-
-    for name in (*OBJECT_COLLECTIVES, *TENSOR_COLLECTIVES):
-        setattr(dist, name, wrap(name, getattr(dist, name)))
-
-
 def _agree_on_rank(rank: int, world: int, stages: bool) -> dict[str, Any]:
     import torch.distributed as dist
+    from _received import record_received
 
     from lightning_mcore_ckpt.training import optim
 
     dist.init_process_group("gloo")
     try:
         calls: list[tuple[str, int]] = []
-        _record(calls)
+        record_received(calls)
         scalars, stateful, names = optim._agree(*_findings(rank, world, stages))
         return {
             "agreed": (scalars, sorted(stateful), sorted(names)),

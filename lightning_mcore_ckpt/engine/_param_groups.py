@@ -86,17 +86,23 @@ def record(
 ) -> dict[str, Any] | None:
     """Which parameters each group of each distributed optimizer holds, whole: the keys of
     every rank's shard of it (collective when the process group is up: every rank calls it, in
-    the same order, and gets the same answer).
+    the same order, and gets the same answer, merged on rank 0 and broadcast from there).
     ``None``: no distributed optimizer. ``model_ssd`` builds the model's sharded state dict
     (only called when there is one: it is a fixed cost of every save)."""
     mine = this_ranks_groups(optimizers, model_ssd)
     if mine is None:
         return None
-    gathered: list[Any] = [mine]
-    if distributed() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=cpu_group())
-    return _merged(mine, gathered)
+    if not (distributed() and dist.get_world_size() > 1):
+        return _merged(mine, [mine])
+    # Gathered on rank 0 alone and the union broadcast from there: a rank other than 0
+    # receives the record, whose size does not grow with the ranks, never the others' lists.
+    group = cpu_group()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    union: list[Any] = [None if gathered is None else _merged(mine, gathered)]
+    dist.broadcast_object_list(union, src=0, group=group)
+    out: dict[str, Any] = union[0]
+    return out
 
 
 def _merged(mine: dict[str, Any], gathered: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -80,6 +80,9 @@ class CheckpointReader:
         self.sources: dict[str, Any] = {}
         """The local tiers of object-store dirpaths, and their stores: a ``resolve_last``
         (how "last" is found, rank 0) and a ``store`` (where a step no longer here is read)."""
+        self._checked_extra: dict[Path, Any] = {}
+        """The ``extra/`` file :meth:`check_extra` checked by loading it, by path: the load's
+        later reads of it (:meth:`_saved_stateless`, :meth:`load_extra`) take it from here."""
 
     def resolve(
         self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
@@ -179,9 +182,11 @@ class CheckpointReader:
         """
         source = self._extra_source(directory, state.rank, held)
         error: _safe_load.UnsafeCheckpointError | None = None
+        self._checked_extra = {}
         if source is not None and not trusted:
             try:
-                _safe_load.load_torch_file(source, data=(held or {}).get(source))
+                payload = _safe_load.load_torch_file(source, data=(held or {}).get(source))
+                self._checked_extra[source] = payload
             except _safe_load.UnsafeCheckpointError as err:
                 error = err
         found = first_failure(None if error is None else str(error), state.rank, state.device)
@@ -545,16 +550,32 @@ class CheckpointReader:
                 f"0: MegatronStrategy(init_from={str(path)!r}) and fit without ckpt_path"
             )
 
-    @staticmethod
+    def forget_checked(self) -> None:
+        """Drop what :meth:`check_extra` kept for the load that called it (at the load's end,
+        whichever way it ends)."""
+        self._checked_extra = {}
+
+    def _extra_payload(
+        self, path: Path, trusted: bool, held: Mapping[Path, Any] | None = None
+    ) -> Any:
+        """An ``extra/`` file's contents: as :meth:`check_extra` loaded it in this load, else
+        loaded (checked unless ``trusted``; from ``held``'s bytes when it has them)."""
+        if path in self._checked_extra:
+            return self._checked_extra[path]
+        return _safe_load.load_torch_file(path, trusted=trusted, data=(held or {}).get(path))
+
     def _saved_stateless(
-        extra: Path, state: TrainingState, trusted: bool, held: Mapping[Path, Any] | None = None
+        self,
+        extra: Path,
+        state: TrainingState,
+        trusted: bool,
+        held: Mapping[Path, Any] | None = None,
     ) -> list[list[int]] | None:
         # This rank's record, when the layout is the one that saved it.
-        held = held or {}
         own = extra / f"rank_{state.rank:05d}.pt"
-        if own not in held and not own.is_file():
+        if own not in (held or {}) and own not in self._checked_extra and not own.is_file():
             return None
-        payload = _safe_load.load_torch_file(own, trusted=trusted, data=held.get(own))
+        payload = self._extra_payload(own, trusted, held)
         if payload.get("parallel_layout") != state.parallel_layout:
             return None
         return payload.get("optimizer_stateless")
@@ -581,7 +602,7 @@ class CheckpointReader:
             log.warning("%s is missing: loops, callbacks and RNG start fresh", directory)
             return {}, None
         own = directory / f"rank_{state.rank:05d}.pt"
-        payload = _safe_load.load_torch_file(source, trusted=trusted, data=(held or {}).get(source))
+        payload = self._extra_payload(source, trusted, held)
         version = payload.get("version", EXTRA_FORMAT_VERSION)
         if isinstance(version, int) and version > EXTRA_FORMAT_VERSION:
             raise ValueError(

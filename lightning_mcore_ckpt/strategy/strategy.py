@@ -773,6 +773,12 @@ class MegatronStrategy(ParallelStrategy):
         in the environment when Lightning passes ``None``, loads it as trusted: unchecked.
         """
         trusted = safe_load.trusted_by_user(weights_only)
+        try:
+            return self._load_checkpoint(checkpoint_path, trusted)
+        finally:
+            self._reader.forget_checked()  # what this load checked is not the next one's
+
+    def _load_checkpoint(self, checkpoint_path: Any, trusted: bool) -> dict[str, Any]:
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         source = self._reader.sources.get(str(checkpoint_path))

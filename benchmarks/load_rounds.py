@@ -203,22 +203,39 @@ def read_files(paths: list[Path], threads: int) -> int:
 
 
 def _our_load(methods: Any, step: Path) -> Callable[[], dict[str, float]]:
-    from lightning_mcore_ckpt.engine import _parallel_reader
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    from lightning_mcore_ckpt.engine import _parallel_reader, _rank_state, _reader
+    from lightning_mcore_ckpt.safety import safe_dcp
+    from lightning_mcore_ckpt.training import optim
 
     strategy, reader = methods.strategy, methods.strategy._reader
+    # (owner, function, label): the outermost call of each is timed, where it is called from.
+    timed = [
+        (reader, "resolve", "resolve the step (rank 0) and its damage check"),
+        (reader, "check_optimizer_layout", "check the optimizer's layout"),
+        (reader, "check_extra", "check extra/"),
+        (reader, "load_weights", "weights, in all"),
+        (reader, "check_shapes", "weights: check the shapes"),
+        (safe_dcp, "check_dist_checkpoint", "check the index and objects (both parts)"),
+        (reader, "load_optimizers", "optimizer, in all"),
+        (optim, "init_state", "optimizer: create its state"),
+        (_reader, "optimizer_sharded_state_dict", "optimizer: its sharded state dict"),
+        (_rank_state, "apply_optimizer_state", "optimizer: into the live optimizer"),
+        (strategy, "model_sharded_state_dict", "the model's sharded state dicts (all)"),
+        (serialization, "load_common_state_dict", "Megatron-Core: common state (both parts)"),
+        (torch_strategy.TorchDistLoadShardedStrategy, "load", "Megatron-Core: sharded load"),
+        (dcp, "load", "torch DCP load: planning and reads (both)"),
+        (dcp, "load_state_dict", "torch DCP load: planning and reads (both)"),  # mcore 0.16
+        (_parallel_reader.ParallelFileSystemReader, "read_data", "shard reads (in both)"),
+        (reader, "load_extra", "extra/ and RNG"),
+    ]
 
     def load() -> dict[str, float]:
         phases = _Phases()
-        undo = [
-            phases.wrap(reader, "check_optimizer_layout", "check the optimizer's layout"),
-            phases.wrap(reader, "check_extra", "check extra/"),
-            phases.wrap(reader, "load_weights", "weights, in all"),
-            phases.wrap(reader, "load_optimizers", "optimizer, in all"),
-            phases.wrap(reader, "load_extra", "extra/ and RNG"),
-            phases.wrap(
-                _parallel_reader.ParallelFileSystemReader, "read_data", "shard reads (in both)"
-            ),
-        ]
+        undo = [phases.wrap(owner, name, label) for owner, name, label in timed]
         gc.callbacks.append(phases.on_gc)
         faults = _faults()
         try:

@@ -32,12 +32,27 @@ def test_every_method_loads_in_every_round_with_our_phases(tmp_path: Path) -> No
     result = run["result"]
     assert set(result["seconds"]) == set(load_rounds.METHODS)
     assert all(len(v) == result["rounds"] == 2 for v in result["seconds"].values())
-    # Our load was timed through the library's functions, each round: the weights' and the
-    # optimizer's loads, the shard reads inside them.
+    # Our load was timed through the library's and Megatron-Core's functions, each round: the
+    # weights' and the optimizer's loads, the parts inside them, the shard reads.
     assert len(result["phases"]) == 2
     for phases in result["phases"]:
-        for name in ("weights, in all", "optimizer, in all", "shard reads (in both)"):
+        for name in (
+            "weights, in all",
+            "optimizer, in all",
+            "shard reads (in both)",
+            "resolve the step (rank 0) and its damage check",
+            "the model's sharded state dicts (all)",
+            "optimizer: its sharded state dict",
+            "Megatron-Core: sharded load",
+            "torch DCP load: planning and reads (both)",
+        ):
             assert phases[name] > 0, (name, phases)
+        # Nested parts take no more than what holds them.
+        assert (
+            phases["shard reads (in both)"] <= phases["torch DCP load: planning and reads (both)"]
+        )
+        inside = phases["Megatron-Core: sharded load"]
+        assert inside <= phases["weights, in all"] + phases["optimizer, in all"]
     # Our files were read whole: every byte of them.
     assert result["bytes"]["read: our files"] == result["bytes"]["ours"] > 0
     table = found.with_suffix(".md").read_text()

@@ -65,3 +65,16 @@ def record_received(
 
     for name in (*OBJECT_COLLECTIVES, *TENSOR_COLLECTIVES):
         setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def assert_other_ranks_receive_alike(results: dict[int, list[dict[str, Any]]]) -> None:
+    """Every rank other than 0, at every world of ``results`` (``{world: [per rank: {"received":
+    bytes, ...}]}``), received the same bytes, and some."""
+    receipts = {
+        (world, rank): result["received"]
+        for world, ranks in results.items()
+        for rank, result in enumerate(ranks)
+        if rank
+    }
+    assert len(set(receipts.values())) == 1, receipts
+    assert next(iter(receipts.values())) > 0

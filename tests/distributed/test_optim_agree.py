@@ -10,11 +10,16 @@ broadcast of the union; the same keys everywhere: the broadcast of rank 0's scal
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lightning_mcore_ckpt.testing import run_distributed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _received import assert_other_ranks_receive_alike
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,13 +88,6 @@ def test_every_rank_agrees_on_the_union_and_receives_no_more_with_more_ranks(sta
             assert tuple(result["agreed"]) == _expected(world, stages), (world, rank)
     # A rank other than 0 receives the union (or rank 0's scalars), the same at 2 and 4 ranks:
     # never the other ranks' lists, whose bytes would grow with the ranks.
-    receipts = {
-        (world, rank): result["received"]
-        for world, ranks in results.items()
-        for rank, result in enumerate(ranks)
-        if rank
-    }
-    assert len(set(receipts.values())) == 1, receipts
-    assert next(iter(receipts.values())) > 0
+    assert_other_ranks_receive_alike(results)
     # Every rank takes part in the same collectives, at either world.
     assert len({tuple(r["calls"]) for ranks in results.values() for r in ranks}) == 1

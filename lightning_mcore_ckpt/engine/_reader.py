@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -549,6 +550,17 @@ class CheckpointReader:
                 "save a step again, or load the weights only, with a fresh optimizer from step "
                 f"0: MegatronStrategy(init_from={str(path)!r}) and fit without ckpt_path"
             )
+
+    @contextlib.contextmanager
+    def one_load(self) -> Iterator[None]:
+        """Meanwhile, one load: each ``extra/`` file its checks loaded (:meth:`check_extra`)
+        and each index they read (``safe_dcp.indexes_kept``) is unpickled once, for this load
+        only: dropped when it ends, whichever way it ends."""
+        try:
+            with _safe_dcp.indexes_kept():
+                yield
+        finally:
+            self.forget_checked()
 
     def forget_checked(self) -> None:
         """Drop what :meth:`check_extra` kept for the load that called it (at the load's end,

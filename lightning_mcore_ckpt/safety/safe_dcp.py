@@ -16,6 +16,7 @@ Imports nothing from the package but ``_safe_load`` (``layout`` reads indexes th
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -23,7 +24,7 @@ import importlib
 import io
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "check_reads",
     "checked_readers",
     "index_extents",
+    "indexes_kept",
     "read_dcp_metadata",
 ]
 
@@ -155,8 +157,61 @@ def read_dcp_metadata(directory: str | os.PathLike[str], *, trusted: bool = Fals
     ``trusted``, read as torch reads it (a plain ``pickle.load``).
     """
     index = Path(directory) / ".metadata"
-    with open(index, "rb") as f:
-        return pickle.load(f) if trusted else _load_index(f, index)
+    if trusted:
+        with open(index, "rb") as f:
+            return pickle.load(f)
+    return _checked_index(index, lambda: open(index, "rb"))
+
+
+_kept_indexes: contextvars.ContextVar[dict[str, tuple[tuple[int, ...], Any]] | None] = (
+    contextvars.ContextVar("lmc_kept_indexes", default=None)
+)
+"""The indexes read checked in this context, by path, each with its file's identity."""
+
+
+@contextlib.contextmanager
+def indexes_kept() -> Iterator[None]:
+    """Meanwhile (one load), each local ``.metadata`` index read checked
+    (:func:`read_dcp_metadata`, :func:`check_reads`) is unpickled once: a later read of it
+    takes the object the first read checked, while the file is the one that was read (its
+    device, inode, size and modification time; another file is read and checked afresh). A
+    load reads each of its two indexes several times: our checks (objects, shapes, the
+    optimizer's layout and keys), then Megatron-Core and torch DCP themselves. What is used is
+    what was checked: the object itself, not the file read again. Trusted reads (a plain
+    ``pickle.load``, the user's choice) are not kept."""
+    token = _kept_indexes.set({})
+    try:
+        yield
+    finally:
+        _kept_indexes.reset(token)
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """A local file's device, inode, size and modification time; ``None``: not a local file
+    (a view's file in an object store, or none)."""
+    if remote_files.remote_size(path) is not None:
+        return None
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+
+
+def _checked_index(path: str | os.PathLike[str], opener: Callable[[], IO[bytes]]) -> Any:
+    """The index at ``path`` read with :func:`_load_index` (``opener`` opens it), or what a
+    read of the same file made, where this context keeps them (:func:`indexes_kept`)."""
+    kept = _kept_indexes.get()
+    identity = _identity(path) if kept is not None else None
+    if kept is not None and identity is not None:
+        found = kept.get(str(path))
+        if found is not None and found[0] == identity:
+            return found[1]
+    with opener() as f:
+        metadata = _load_index(f, path)
+    if kept is not None and identity is not None:
+        kept[str(path)] = (identity, metadata)
+    return metadata
 
 
 def _load_index(f: IO[bytes], where: Any) -> Any:
@@ -201,8 +256,8 @@ def check_reads(reader: Any, refused: list[BaseException] | None = None) -> Any:
             path = reader._get_metadata_path(rank)
         else:
             path = reader.fs.concat_path(reader.path, ".metadata")
-        with reader.fs.create_stream(path, "rb") as f, _kept_in(refused):
-            metadata = _load_index(f, path)
+        with _kept_in(refused):
+            metadata = _checked_index(path, lambda: reader.fs.create_stream(path, "rb"))
         if getattr(metadata, "storage_meta", None) is None:  # as torch's reader does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = reader.load_id

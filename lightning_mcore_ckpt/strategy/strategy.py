@@ -773,10 +773,8 @@ class MegatronStrategy(ParallelStrategy):
         in the environment when Lightning passes ``None``, loads it as trusted: unchecked.
         """
         trusted = safe_load.trusted_by_user(weights_only)
-        try:
+        with self._reader.one_load():  # what this load checked is not the next one's
             return self._load_checkpoint(checkpoint_path, trusted)
-        finally:
-            self._reader.forget_checked()  # what this load checked is not the next one's
 
     def _load_checkpoint(self, checkpoint_path: Any, trusted: bool) -> dict[str, Any]:
         assert self.lightning_module is not None

@@ -13,7 +13,8 @@ layers and one of 6 (three times the tensors) and loads each in both layouts. In
 every rank asserts that its load's collectives were the same calls for both models, in which
 every rank other than 0 received the same bytes (rank 0 is where megatron-core 0.16's torch
 DCP load gathers the ranks' load plans: its receipts grow with the ranks, not the others'),
-and that each load resumed at the saved step.
+and that each load resumed at the saved step; and that each load unpickled each of the step's
+two indexes once (``safe_dcp.indexes_kept``; they were unpickled 9 times between them).
 """
 
 from __future__ import annotations
@@ -56,9 +57,20 @@ def _load(rank: int, world_size: int, tmp: str, optimizer: str) -> dict[str, Any
     from _received import record_received
     from _trainer import loader, make_trainer
 
+    from lightning_mcore_ckpt.safety import safe_dcp
+
     calls: list[tuple[str, int]] = []
     on = {"load": False}
     record_received(calls, lambda: on["load"])
+    indexes: list[str] = []
+    load_index = safe_dcp._load_index
+
+    def counted(f: Any, where: Any) -> Any:
+        if on["load"]:
+            indexes.append(f"{Path(where).parent.name}/{Path(where).name}")
+        return load_index(f, where)
+
+    safe_dcp._load_index = counted
     out: dict[tuple[str, int], Any] = {}
     for layers in (2, 6):
         step = str(Path(tmp, f"layers{layers}"))
@@ -79,6 +91,7 @@ def _load(rank: int, world_size: int, tmp: str, optimizer: str) -> dict[str, Any
 
             strategy.load_checkpoint = load_checkpoint
             calls.clear()
+            indexes.clear()
             trainer = make_trainer(1, strategy, world_size)
             trainer.fit(
                 _module(optimizer, layers),
@@ -88,6 +101,7 @@ def _load(rank: int, world_size: int, tmp: str, optimizer: str) -> dict[str, Any
             kinds = sorted({type(o).__name__ for o in strategy._torch_optimizers()})
             out[layout, layers] = {
                 "calls": list(calls),
+                "indexes": sorted(indexes),
                 "step": trainer.global_step,
                 "kinds": kinds,
             }
@@ -106,6 +120,10 @@ def test_a_loads_collectives_do_not_grow_with_the_number_of_tensors(
             where = (rank, layout)
             assert small["step"] == large["step"] == 1, (where, small, large)
             assert small["calls"], (where, "no collective recorded: the recording is broken")
+            # Each index unpickled once, whoever reads it: the checks (objects, shapes, the
+            # optimizer's layout and keys), Megatron-Core and torch DCP.
+            for got in (small, large):
+                assert got["indexes"] == ["model/.metadata", "optim/.metadata"], (where, got)
             if rank == 0:  # megatron-core 0.16's DCP load gathers the ranks' plans on rank 0
                 names = [n for n, _ in small["calls"]], [n for n, _ in large["calls"]]
                 assert names[0] == names[1], where

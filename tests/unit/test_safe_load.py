@@ -241,3 +241,59 @@ def test_a_shard_name_in_an_index_is_a_path_only_inside_its_directory(
         pickle.dump(index, f)
     problems = layout.verify_step(step)
     assert any(repr(hostile) in p and "shard list" in p for p in problems), problems
+
+
+def test_a_load_unpickles_each_index_once_and_a_replaced_one_is_checked_again(
+    step: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextvars
+    import os
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    parses: list[str] = []
+    stock = _safe_dcp._load_index
+
+    def counted(f: object, where: object) -> object:
+        parses.append(Path(str(where)).parent.name)
+        return stock(f, where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_safe_dcp, "_load_index", counted)
+    model = step / "model"
+    # Outside a load nothing is kept: each read unpickles the file.
+    _safe_dcp.read_dcp_metadata(model)
+    _safe_dcp.read_dcp_metadata(model)
+    assert parses == ["model", "model"]
+    parses.clear()
+    with _safe_dcp.indexes_kept():
+        first = _safe_dcp.read_dcp_metadata(model)
+        # torch DCP's reader (checked) and a thread started with the load's context: the same
+        # object, not another unpickle.
+        reader = _safe_dcp.check_reads(FileSystemReader(str(model)), [])
+        assert reader.read_metadata() is first
+        seen: list[object] = []
+        thread = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(lambda: seen.append(_safe_dcp.read_dcp_metadata(model)),),
+        )
+        thread.start()
+        thread.join()
+        assert seen == [first]
+        assert parses == ["model"]
+        assert _safe_dcp.read_dcp_metadata(step / "optim") is not first
+        assert parses == ["model", "optim"]
+        # Replaced during the load: read and checked again, and refused.
+        marker = tmp_path / "ran"
+        crafted_index(model, marker)
+        index = model / ".metadata"
+        os.utime(index, ns=(1, 1))  # whatever the clock's resolution: another file
+        with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
+            _safe_dcp.read_dcp_metadata(model)
+        assert parses == ["model", "optim", "model"]
+        assert not marker.exists()
+    # Trusted reads (the user's choice) are torch's own: never kept, never checked.
+    with _safe_dcp.indexes_kept():
+        trusted = _safe_dcp.read_dcp_metadata(step / "optim", trusted=True)
+        assert _safe_dcp.read_dcp_metadata(step / "optim", trusted=True) is not trusted
+    assert parses == ["model", "optim", "model"]

@@ -129,7 +129,9 @@ def index_extents(directory: str | os.PathLike[str]) -> dict[str, int]:
     Read without importing torch, and without running code from the file: every name the index
     holds is made inert data. Raises ``UnsafeCheckpointError`` when it names anything else
     than torch's or its checkpoint modules' (whether such a step may be loaded is decided when
-    it is loaded), any other error when it is missing or garbled.
+    it is loaded), any other error when it is missing or garbled. During a load
+    (:func:`indexes_kept`), which reads the index checked anyway, it is read checked (a name
+    outside what an index is made of is refused the same way), and that read is the load's.
 
     Example::
 
@@ -137,11 +139,14 @@ def index_extents(directory: str | os.PathLike[str]) -> dict[str, int]:
         # {"__0_0.distcp": 57666, "__0_1.distcp": 56405, ...}
     """
     index = Path(directory) / ".metadata"
-    with open(index, "rb") as f:
-        try:
-            metadata = _InertUnpickler(f).load()
-        except _safe_load.UnsafeCheckpointError as err:
-            raise _safe_load.UnsafeCheckpointError(f"{index}: {err}") from None
+    if _kept_indexes.get() is not None:  # in a load: the index it reads, checked, read once
+        metadata = _checked_index(index, lambda: open(index, "rb"))
+    else:
+        with open(index, "rb") as f:
+            try:
+                metadata = _InertUnpickler(f).load()
+            except _safe_load.UnsafeCheckpointError as err:
+                raise _safe_load.UnsafeCheckpointError(f"{index}: {err}") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)

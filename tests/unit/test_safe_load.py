@@ -297,3 +297,24 @@ def test_a_load_unpickles_each_index_once_and_a_replaced_one_is_checked_again(
         trusted = _safe_dcp.read_dcp_metadata(step / "optim", trusted=True)
         assert _safe_dcp.read_dcp_metadata(step / "optim", trusted=True) is not trusted
     assert parses == ["model", "optim", "model"]
+
+
+@pytest.mark.parametrize("sub", ["model", "optim"])
+def test_in_a_load_what_an_index_references_comes_from_its_one_checked_read(
+    sub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unchecked = _safe_dcp.index_extents(STEP / sub)  # without torch, as `ls` and `report` read
+    parses: list[str] = []
+    stock = _safe_dcp._load_index
+
+    def counted(f: object, where: object) -> object:
+        parses.append(str(where))
+        return stock(f, where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_safe_dcp, "_load_index", counted)
+    with _safe_dcp.indexes_kept():
+        assert _safe_dcp.index_extents(STEP / sub) == unchecked
+        index = _safe_dcp.read_dcp_metadata(STEP / sub)
+        assert _safe_dcp.index_extents(STEP / sub) == unchecked
+    assert parses == [str(STEP / sub / ".metadata")]
+    assert index.storage_data

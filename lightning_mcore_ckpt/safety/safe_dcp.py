@@ -208,10 +208,9 @@ def _checked_index(path: str | os.PathLike[str], opener: Callable[[], IO[bytes]]
     read of the same file made, where this context keeps them (:func:`indexes_kept`)."""
     kept = _kept_indexes.get()
     identity = _identity(path) if kept is not None else None
-    if kept is not None and identity is not None:
-        found = kept.get(str(path))
-        if found is not None and found[0] == identity:
-            return found[1]
+    found = kept.get(str(path)) if kept is not None and identity is not None else None
+    if found is not None and found[0] == identity:
+        return found[1]
     with opener() as f:
         metadata = _load_index(f, path)
     if kept is not None and identity is not None:

@@ -243,8 +243,22 @@ def test_a_shard_name_in_an_index_is_a_path_only_inside_its_directory(
     assert any(repr(hostile) in p and "shard list" in p for p in problems), problems
 
 
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every index the checking unpickler unpickles from now on (its path)."""
+    found: list[Path] = []
+    stock = _safe_dcp._load_index
+
+    def counted(f: object, where: object) -> object:
+        found.append(Path(str(where)))
+        return stock(f, where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_safe_dcp, "_load_index", counted)
+    return found
+
+
 def test_a_load_unpickles_each_index_once_and_a_replaced_one_is_checked_again(
-    step: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    step: Path, tmp_path: Path, parses: list[Path]
 ) -> None:
     import contextvars
     import os
@@ -252,19 +266,11 @@ def test_a_load_unpickles_each_index_once_and_a_replaced_one_is_checked_again(
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    parses: list[str] = []
-    stock = _safe_dcp._load_index
-
-    def counted(f: object, where: object) -> object:
-        parses.append(Path(str(where)).parent.name)
-        return stock(f, where)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_safe_dcp, "_load_index", counted)
     model = step / "model"
     # Outside a load nothing is kept: each read unpickles the file.
     _safe_dcp.read_dcp_metadata(model)
     _safe_dcp.read_dcp_metadata(model)
-    assert parses == ["model", "model"]
+    assert parses == [model / ".metadata"] * 2
     parses.clear()
     with _safe_dcp.indexes_kept():
         first = _safe_dcp.read_dcp_metadata(model)
@@ -280,9 +286,9 @@ def test_a_load_unpickles_each_index_once_and_a_replaced_one_is_checked_again(
         thread.start()
         thread.join()
         assert seen == [first]
-        assert parses == ["model"]
+        assert parses == [model / ".metadata"]
         assert _safe_dcp.read_dcp_metadata(step / "optim") is not first
-        assert parses == ["model", "optim"]
+        assert parses == [model / ".metadata", step / "optim" / ".metadata"]
         # Replaced during the load: read and checked again, and refused.
         marker = tmp_path / "ran"
         crafted_index(model, marker)
@@ -290,31 +296,24 @@ def test_a_load_unpickles_each_index_once_and_a_replaced_one_is_checked_again(
         os.utime(index, ns=(1, 1))  # whatever the clock's resolution: another file
         with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
             _safe_dcp.read_dcp_metadata(model)
-        assert parses == ["model", "optim", "model"]
+        assert parses == [model / ".metadata", step / "optim" / ".metadata", index]
         assert not marker.exists()
     # Trusted reads (the user's choice) are torch's own: never kept, never checked.
     with _safe_dcp.indexes_kept():
         trusted = _safe_dcp.read_dcp_metadata(step / "optim", trusted=True)
         assert _safe_dcp.read_dcp_metadata(step / "optim", trusted=True) is not trusted
-    assert parses == ["model", "optim", "model"]
+    assert parses == [model / ".metadata", step / "optim" / ".metadata", model / ".metadata"]
 
 
 @pytest.mark.parametrize("sub", ["model", "optim"])
 def test_in_a_load_what_an_index_references_comes_from_its_one_checked_read(
-    sub: str, monkeypatch: pytest.MonkeyPatch
+    sub: str, parses: list[Path]
 ) -> None:
     unchecked = _safe_dcp.index_extents(STEP / sub)  # without torch, as `ls` and `report` read
-    parses: list[str] = []
-    stock = _safe_dcp._load_index
-
-    def counted(f: object, where: object) -> object:
-        parses.append(str(where))
-        return stock(f, where)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_safe_dcp, "_load_index", counted)
+    assert parses == []
     with _safe_dcp.indexes_kept():
         assert _safe_dcp.index_extents(STEP / sub) == unchecked
         index = _safe_dcp.read_dcp_metadata(STEP / sub)
         assert _safe_dcp.index_extents(STEP / sub) == unchecked
-    assert parses == [str(STEP / sub / ".metadata")]
+    assert parses == [STEP / sub / ".metadata"]
     assert index.storage_data

@@ -600,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         "benchmarks/load_rounds.py)",
     )
     parser.add_argument(
+        "--optimizers",
+        default=None,
+        help="--only-loads: the optimizers the state is trained with (adamw: torch AdamW; "
+        "distributed: Megatron-Core's distributed optimizer over Megatron DDP; default both)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",

@@ -46,6 +46,7 @@ from benchmarks.workloads import (
     in_fit,
     nbytes,
     state_tensors,
+    torch_optimizers_in,
     tree_bytes,
     write_progress,
 )
@@ -297,7 +298,11 @@ class _Methods:
             **{f"r{self.rank}.{k}": v for k, v in self.module.state_dict().items()},
             **{
                 f"r{self.rank}.opt.{i}.{k}": v
-                for i, s in enumerate(self.optimizer.state.values())
+                for i, s in enumerate(
+                    state
+                    for inner in torch_optimizers_in(self.optimizer)
+                    for state in inner.state.values()
+                )
                 for k, v in s.items()
             },
         }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
@@ -130,13 +131,7 @@ def _saved(methods: Any) -> dict[str, Path]:
 
     torch_dir = methods.fresh("torch-save")
     torch_file = torch_dir / f"rank_{methods.rank}.ckpt"
-    TorchCheckpointIO().save_checkpoint(
-        {
-            "state_dict": methods.module.state_dict(),
-            "optimizer_states": [methods.optimizer.state_dict()],
-        },
-        torch_file,
-    )
+    TorchCheckpointIO().save_checkpoint(_torch_save_state(methods), torch_file)
     dcp_dir = methods.fresh("dcp")
     dcp.save(methods.plain(), checkpoint_id=str(dcp_dir), process_group=methods.group)
     raw = methods.fresh("raw")
@@ -154,6 +149,28 @@ def _saved(methods: Any) -> dict[str, Path]:
             tensor.add_(0)
     dist.barrier()
     return {"torch": torch_file, "dcp": dcp_dir, "raw": raw}
+
+
+def _torch_save_state(methods: Any) -> dict[str, Any]:
+    """What Lightning's default ``torch.save`` holds of the rank's state: the module's state
+    dict and the optimizer's. A Megatron-Core optimizer's ``state_dict()`` leaves its parameter
+    state (the Adam moments) to its sharded state dict: for one, the moments are saved as the
+    plain tensors ``plain DCP`` saves, so that ``torch.load`` reads the state it restores."""
+    optimizer = methods.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer_state = optimizer.state_dict()
+    else:
+        optimizer_state = {
+            k: v for k, v in methods.plain().items() if k.startswith(f"r{methods.rank}.opt.")
+        }
+    return {"state_dict": methods.module.state_dict(), "optimizer_states": [optimizer_state]}
+
+
+def _class_name(optimizer: Any) -> str:
+    """``optimizer``'s class, and those of the optimizers a ``ChainedOptimizer`` chains."""
+    inner = getattr(optimizer, "chained_optimizers", None)
+    name = type(optimizer).__name__
+    return f"{name}({', '.join(type(o).__name__ for o in inner)})" if inner else name
 
 
 def order_of(names: tuple[str, ...], i: int) -> list[str]:
@@ -318,6 +335,7 @@ def rounds(methods: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             "state": sum(t.numel() * t.element_size() for t in methods.state()),
         },
         "files": [str(p.relative_to(step)) for p in mine],
+        "optimizer_class": _class_name(methods.optimizer),
     }
 
 
@@ -331,13 +349,20 @@ def job(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     callback = MegatronCheckpoint(cfg["ours"], every_n_train_steps=every, save_last=False)
     callbacks = [_Rounds(rank, world, cfg, out), callback]
     trainer = _trainer(2 * every, world, world, callbacks, False, cfg.get("device", "cpu"))
-    trainer.fit(_module(cfg["size"]), train_dataloaders=_loader())
+    module = _module(cfg["size"], optimizer=cfg.get("optimizer", "adamw"))
+    trainer.fit(module, train_dataloaders=_loader())
     return out
 
 
 # --- the figures ------------------------------------------------------------------------------
 
 TARGET_OF_LIMIT = 0.8
+
+OPTIMIZER_NAMES = {
+    "adamw": "torch AdamW",
+    "distributed": "Megatron-Core's distributed optimizer",
+}
+"""``--optimizers``: the optimizer the state is trained with (``TinyGPTModule``'s names)."""
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +435,8 @@ def report(runs: list[dict[str, Any]], machine: str, command: str) -> str:
         result, summary = run["result"], run["summary"]
         mib = result["bytes"]["ours"] / MiB
         lines += [
-            f"#### State {run['size']}, {run['world']} process(es): {result['rounds']} rounds, "
+            f"#### State {run['size']}, {run['world']} process(es), "
+            f"{OPTIMIZER_NAMES[run.get('optimizer', 'adamw')]}: {result['rounds']} rounds, "
             f"{mib:.0f} MiB read by our load per rank, {result['threads']} reader threads",
             "",
             "| method | median s | min-max s |",
@@ -446,6 +472,15 @@ def run(args: Any) -> int:
         if problem:
             print(f"python -m benchmarks --only-loads --device cuda: {problem}", file=sys.stderr)
             return 2
+    optimizers = (args.optimizers or "adamw,distributed").split(",")
+    unknown = [o for o in optimizers if o not in OPTIMIZER_NAMES]
+    if unknown:
+        print(
+            f"python -m benchmarks --only-loads --optimizers {args.optimizers}: "
+            f"{', '.join(unknown)} unknown; use {','.join(OPTIMIZER_NAMES)}",
+            file=sys.stderr,
+        )
+        return 2
     rounds = 2 if args.quick else 2 * args.repeats
     scratch = Path(args.dir).resolve() / "loads"
     runs = []
@@ -453,39 +488,54 @@ def run(args: Any) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{time.strftime('%Y-%m-%d', time.gmtime())}-{socket.gethostname()}-loads"
-    command = "python -m benchmarks --only-loads " + (
-        "--quick"
-        if args.quick
-        else f"--sizes {','.join(sizes)} --procs "
-        f"{','.join(map(str, procs))} --repeats {args.repeats}"
+    command = (
+        "python -m benchmarks --only-loads "
+        + (
+            "--quick"
+            if args.quick
+            else f"--sizes {','.join(sizes)} --procs "
+            f"{','.join(map(str, procs))} --repeats {args.repeats}"
+        )
+        + f" --optimizers {','.join(optimizers)}"
     )
     try:
-        for size in sizes:
-            for world in procs:
-                shutil.rmtree(scratch, ignore_errors=True)
-                scratch.mkdir(parents=True)
-                cfg = {
+        for size, optimizer, world in itertools.product(sizes, optimizers, procs):
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            cfg = {
+                "size": size,
+                "optimizer": optimizer,
+                "dir": str(scratch),
+                "ours": str(scratch / "ours"),
+                "rounds": rounds,
+                "repeats": 1,
+                "device": args.device,
+                "settle_s": 1 if args.quick else 10,
+            }
+            print(
+                f"== loads: state {size}, {world} process(es), {OPTIMIZER_NAMES[optimizer]}, "
+                f"{rounds} rounds",
+                flush=True,
+            )
+            result = run_distributed(job, world, cfg, timeout=3600)[0]
+            summary = summarise(result)
+            runs.append(
+                {
                     "size": size,
-                    "dir": str(scratch),
-                    "ours": str(scratch / "ours"),
-                    "rounds": rounds,
-                    "repeats": 1,
-                    "device": args.device,
-                    "settle_s": 1 if args.quick else 10,
+                    "world": world,
+                    "optimizer": optimizer,
+                    "result": result,
+                    "summary": summary,
                 }
-                print(f"== loads: state {size}, {world} process(es), {rounds} rounds", flush=True)
-                result = run_distributed(job, world, cfg, timeout=3600)[0]
-                runs.append(
-                    {"size": size, "world": world, "result": result, "summary": summarise(result)}
-                )
-                machine = machine_line(
-                    f"Python {platform.python_version()}; `{args.dir}`'s disk; "
-                    f"{time.perf_counter() - started:.0f} s so far."
-                )
-                table = report(runs, machine, command)
-                (out / f"{stem}.md").write_text(table)
-                raw = {"machine": machine, "command": command, "runs": runs}
-                (out / f"{stem}.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
+            )
+            machine = machine_line(
+                f"Python {platform.python_version()}; `{args.dir}`'s disk; "
+                f"{time.perf_counter() - started:.0f} s so far."
+            )
+            table = report(runs, machine, command)
+            (out / f"{stem}.md").write_text(table)
+            raw = {"machine": machine, "command": command, "runs": runs}
+            (out / f"{stem}.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(table)

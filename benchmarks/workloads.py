@@ -165,13 +165,28 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def torch_optimizers_in(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers that hold ``optimizer``'s parameter state: itself, or the one inside
+    a Megatron-Core optimizer (each one inside a ``ChainedOptimizer``)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    from megatron.core.optimizer import ChainedOptimizer
+
+    chained = (
+        optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    )
+    return [o.optimizer for o in chained]
+
+
 def state_tensors(module: Any, optimizers: Iterable[Any]) -> list[torch.Tensor]:
     """The tensors of a rank's training state: the module's state dict and the optimizers'
-    state (what a checkpoint of the rank holds)."""
+    state (what a checkpoint of the rank holds; a distributed optimizer's main parameters of
+    fp32 weights are views of the weights)."""
     tensors = [t for t in module.state_dict().values() if isinstance(t, torch.Tensor)]
     for optimizer in optimizers:
-        for state in optimizer.state.values():
-            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        for inner in torch_optimizers_in(optimizer):
+            for state in inner.state.values():
+                tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
     return tensors
 
 
@@ -256,8 +271,11 @@ def failed() -> dict[str, Any]:
     return {"error": traceback.format_exc(limit=8)[-3000:]}
 
 
-def _module(size: str, hidden: int | None = None) -> Any:
-    from lightning_mcore_ckpt.tiny import TinyGPTModule, tiny_gpt
+def _module(size: str, hidden: int | None = None, optimizer: str = "adamw") -> Any:
+    """The benchmark's GPT of ``size`` (``hidden``: another width, same layers), trained with
+    ``optimizer`` (``TinyGPTModule``'s: torch AdamW, or Megatron-Core's distributed optimizer
+    over Megatron DDP with ``"distributed"``)."""
+    from lightning_mcore_ckpt.tiny import TinyGPTModule, megatron_ddp, tiny_gpt
 
     width, layers = SIZES[size]
     width = hidden or width
@@ -273,8 +291,12 @@ def _module(size: str, hidden: int | None = None) -> Any:
                     hidden_dropout=0.0,
                     attention_dropout=0.0,
                 )
+                if self.optimizer_name != "adamw":
+                    self.gpt = megatron_ddp(
+                        self.gpt, distributed_optimizer=self.optimizer_name == "distributed"
+                    )
 
-    return Sized(dropout=0.0)
+    return Sized(dropout=0.0, optimizer=optimizer)
 
 
 def _trainer(

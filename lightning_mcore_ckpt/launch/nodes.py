@@ -116,13 +116,48 @@ def kill_node(node: int) -> None:
     os.killpg(_node_group(node, "kill_node"), signal.SIGKILL)
 
 
-def stop_node(node: int, kill_after_s: float) -> None:
+_REAPER = """
+import os, sys, time
+
+deadline = time.monotonic() + float(sys.argv[1])
+group, others = int(sys.argv[2]), {int(g) for g in sys.argv[3].split(",") if g}
+
+
+def running(groups):
+    # Whether a process of ``groups`` runs (a zombie has ended: its parent has not reaped it).
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:  # not a process, or gone
+            continue
+        state, _, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if state not in "ZX" and int(pgrp) in groups:
+            return True
+    return False
+
+
+if not os.path.isdir("/proc"):
+    others = set()
+while time.monotonic() < deadline and (not others or running(others)):
+    time.sleep(0.2)
+os.killpg(group, 9)
+"""
+"""The reaper of a stopped node: ``python -c _REAPER <kill_after_s> <node's group> <other
+nodes' groups, comma-separated or empty>``."""
+
+
+def stop_node(node: int, kill_after_s: float, *, until_others_end: bool = False) -> None:
     """SIGSTOP every process of node ``node`` of this :func:`run_nodes` job, as a machine that
     dies silently (power lost, a kernel panic, its network cut): its sockets stay open, so its
     peers learn nothing until their own timeouts. ``kill_after_s`` seconds later the node is
     SIGKILLed (as a scheduler reaps a lost machine; then its sockets close), by a process of
     its own outside the node. Call it from any rank (on its own node, it does not return until
     then).
+
+    ``until_others_end``: kill it sooner, as soon as no process of any other node runs (Linux:
+    read from ``/proc``), so that a test of the survivors waits only as long as they take;
+    none of them can have been ended by the stopped node's sockets closing.
 
     Example::
 
@@ -133,10 +168,17 @@ def stop_node(node: int, kill_after_s: float) -> None:
     group = _node_group(node, "stop_node")
     if not kill_after_s > 0:
         raise ValueError(f"stop_node: kill_after_s must be positive seconds, got {kill_after_s!r}")
+    others = [g for g in _node_groups("stop_node") if g != group] if until_others_end else []
     # The reaper first, in a session of its own (the stop does not reach it).
-    reap = "import os, sys, time; time.sleep(float(sys.argv[1])); os.killpg(int(sys.argv[2]), 9)"
     subprocess.Popen(
-        [sys.executable, "-c", reap, str(float(kill_after_s)), str(group)],
+        [
+            sys.executable,
+            "-c",
+            _REAPER,
+            str(float(kill_after_s)),
+            str(group),
+            ",".join(map(str, others)),
+        ],
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -145,11 +187,16 @@ def stop_node(node: int, kill_after_s: float) -> None:
     os.killpg(group, signal.SIGSTOP)
 
 
-def _node_group(node: int, caller: str) -> int:
+def _node_groups(caller: str) -> list[int]:
+    """Every node's process group (its launcher's session), by node."""
     groups = os.environ.get(_NODE_GROUPS_ENV)
     if groups is None:
         raise RuntimeError(f"{caller}: call it in a rank started by run_nodes")
-    pgids = [int(g) for g in groups.split(",")]
+    return [int(g) for g in groups.split(",")]
+
+
+def _node_group(node: int, caller: str) -> int:
+    pgids = _node_groups(caller)
     if not isinstance(node, int) or not 0 <= node < len(pgids):
         raise ValueError(f"{caller}: node must be 0..{len(pgids) - 1}, got {node!r}")
     return pgids[node]

@@ -47,11 +47,12 @@ _EVENTS: Path | None = None
 
 def _stop_node(kill_after_s: float) -> None:
     # Every process of the rank's simulated node stopped, its sockets open (a silent node);
-    # SIGKILLed ``kill_after_s`` later. Returns (if ever) only in another node's rank.
+    # SIGKILLed ``kill_after_s`` later, or once every other node's processes have ended.
+    # Returns (if ever) only in another node's rank.
     from lightning_mcore_ckpt.testing import stop_node
 
     _record("stopped", int(os.environ["RANK"]))
-    stop_node(int(os.environ["GROUP_RANK"]), kill_after_s)
+    stop_node(int(os.environ["GROUP_RANK"]), kill_after_s, until_others_end=True)
 
 
 def _die(node: bool = False) -> None:

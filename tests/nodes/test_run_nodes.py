@@ -25,6 +25,7 @@ from lightning_mcore_ckpt.testing import (
     kill_node,
     node_storage,
     run_nodes,
+    stop_node,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -238,3 +239,46 @@ def test_kill_node_outside_a_job_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(_nodes._NODE_GROUPS_ENV, f"{os.getpid()}")
     with pytest.raises(ValueError, match=r"kill_node: node must be 0\.\.0, got 1"):
         kill_node(1)
+
+
+STOPPED_FOR_S = 60.0
+"""``stop_node``'s ``kill_after_s`` in the tests of its reaping: longer than the run."""
+
+
+def _stop_node_1(rank: int, world_size: int, until_others_end: bool, kill_after_s: float) -> str:
+    """Rank 1 stops its node (1); rank 0 works on for a second and ends."""
+    if rank == 1:
+        stop_node(1, kill_after_s, until_others_end=until_others_end)
+        time.sleep(600)  # stopped, then killed: never reached
+    time.sleep(1.0)
+    return "survivor"
+
+
+@pytest.mark.parametrize("until_others_end", [True, False], ids=["until-others-end", "after"])
+def test_a_stopped_node_is_killed_after_its_time_or_once_the_others_end(
+    until_others_end: bool,
+) -> None:
+    """Two nodes of one rank: node 1 stopped (its processes there, not running) is SIGKILLed
+    ``kill_after_s`` later; with ``until_others_end``, as soon as node 0 has ended instead,
+    never before."""
+    kill_after_s = STOPPED_FOR_S if until_others_end else 4.0
+    started = time.monotonic()
+    survivor, stopped = run_nodes(
+        _stop_node_1, 2, 1, until_others_end, kill_after_s, timeout=120, outcomes=True
+    )
+    assert (survivor.value, survivor.error, survivor.exit_code) == ("survivor", None, 0), survivor
+    assert stopped.killed and stopped.exit_code is None, stopped
+    assert survivor.ended is not None and stopped.ended is not None
+    assert stopped.ended > survivor.ended
+    if until_others_end:
+        assert stopped.ended - survivor.ended < 10.0, (stopped, survivor)
+        assert stopped.ended - started < STOPPED_FOR_S / 2, (stopped, started)
+    else:
+        assert stopped.ended - started >= kill_after_s, (stopped, started)
+
+
+def test_stop_node_refuses_a_time_that_is_not_positive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_nodes._NODE_GROUPS_ENV, f"{os.getpid()}")
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="stop_node: kill_after_s must be positive seconds"):
+            stop_node(0, bad)

@@ -4,8 +4,8 @@ process group's timeout (``MegatronStrategy(timeout=...)``), not Lightning's 30 
 
 Two simulated nodes of two ranks (TP=2 inside a node, DP=2 across), a shared checkpoint
 directory, saves every 2 steps. One rank SIGSTOPs every process of its node (``stop_node``):
-nothing closes, so no survivor learns of it from a socket; the node is SIGKILLed only
-:data:`KILL_AFTER_S` later, after every survivor must have ended. Each survivor must have ended
+nothing closes, so no survivor learns of it from a socket; the node is SIGKILLed only once
+every survivor has ended (or :data:`KILL_AFTER_S` later, after every survivor must have ended). Each survivor must have ended
 with an error within :data:`BOUND_S` of the stop, and exited (no thread of ours or torch's keeps
 it alive): the collective's timeout or, for a survivor waiting in the same collective as one
 that timed out a moment before, gloo's "Connection closed by peer" (a gloo rank that times out
@@ -51,8 +51,10 @@ BOUND_S = GROUP_TIMEOUT_S + ROLL_CALL_S + STORE_S + 25.0
 the silent node, plus what the error's path takes on two busy cores (Lightning's exception
 handling, the logs)."""
 KILL_AFTER_S = BOUND_S + 15.0
-"""When the silent node is SIGKILLed (its sockets then close): after every survivor's bound, so
-that no survivor is ended by a closed socket."""
+"""When the silent node is SIGKILLed (its sockets then close) at the latest: after every
+survivor's bound, so that no survivor is ended by a closed socket. It is killed sooner, as soon
+as every survivor has ended (``stop_node(until_others_end=True)``): each must have ended before
+it (asserted)."""
 LAUNCH_S = 400.0
 EXTENDED = pytest.mark.nodes_extended
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
@@ -110,7 +112,6 @@ def test_a_silent_node_ends_every_other_rank_within_the_timeout_and_costs_nothin
         outcomes=True,
     )
     stopped_at, killed_at, survivors = _survivors(outcomes, node, run)
-    assert killed_at - stopped_at >= KILL_AFTER_S - 1, (stopped_at, killed_at)
     for o in survivors:
         # Raised the collective's timeout, or the closure by a survivor that timed out first in
         # the same collective (not the silent node's: it was still stopped, see below), within
@@ -199,7 +200,7 @@ def _service_job(
                         )
                         + "\n"
                     )
-                stop_node(1, SERVICE_KILL_AFTER_S)
+                stop_node(1, SERVICE_KILL_AFTER_S, until_others_end=True)
                 time.sleep(SERVICE_KILL_AFTER_S * 2)  # stopped: never reached before the kill
             return original(*args, **kwargs)
 

@@ -7,7 +7,8 @@
 #   environment.txt   nvidia-smi, versions
 #   gpu-tier.log/.xml tests/gpu (one GPU: the one-GPU cells run side by side)
 #   bench/            python -m benchmarks --device cuda (JSON and Markdown after each size),
-#                     then its cold loads in alternating rounds (--only-loads, 1G)
+#                     then its cold loads in alternating rounds (--only-loads, 1G; torch
+#                     AdamW, then Megatron-Core's distributed optimizer: each written as it ends)
 # `scripts/gpu-tier.sh tests`, `... bench` or `... loads` runs one part only. TEST_TIMEOUT,
 # BENCH_TIMEOUT and LOADS_TIMEOUT (seconds) bound each part; BENCH_ARGS replaces the
 # benchmark's arguments (default: --sizes 1G,4G).

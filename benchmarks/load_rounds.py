@@ -44,7 +44,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from benchmarks.workloads import drop_cache
+from benchmarks.workloads import drop_cache, torch_optimizers_in
 
 MiB = 1 << 20
 METHODS = (
@@ -153,17 +153,12 @@ def _saved(methods: Any) -> dict[str, Path]:
 
 def _torch_save_state(methods: Any) -> dict[str, Any]:
     """What Lightning's default ``torch.save`` holds of the rank's state: the module's state
-    dict and the optimizer's. A Megatron-Core optimizer's ``state_dict()`` leaves its parameter
-    state (the Adam moments) to its sharded state dict: for one, the moments are saved as the
-    plain tensors ``plain DCP`` saves, so that ``torch.load`` reads the state it restores."""
-    optimizer = methods.optimizer
-    if isinstance(optimizer, torch.optim.Optimizer):
-        optimizer_state = optimizer.state_dict()
-    else:
-        optimizer_state = {
-            k: v for k, v in methods.plain().items() if k.startswith(f"r{methods.rank}.opt.")
-        }
-    return {"state_dict": methods.module.state_dict(), "optimizer_states": [optimizer_state]}
+    dict and the optimizer's. A Megatron-Core optimizer's own ``state_dict()`` leaves its Adam
+    moments to its sharded state dict: the torch optimizers inside it hold them."""
+    return {
+        "state_dict": methods.module.state_dict(),
+        "optimizer_states": [o.state_dict() for o in torch_optimizers_in(methods.optimizer)],
+    }
 
 
 def _class_name(optimizer: Any) -> str:

@@ -5,9 +5,10 @@ process group's timeout (``MegatronStrategy(timeout=...)``), not Lightning's 30 
 Two simulated nodes of two ranks (TP=2 inside a node, DP=2 across), a shared checkpoint
 directory, saves every 2 steps. One rank SIGSTOPs every process of its node (``stop_node``):
 nothing closes, so no survivor learns of it from a socket; the node is SIGKILLed only once
-every survivor has ended (or :data:`KILL_AFTER_S` later, after every survivor must have ended). Each survivor must have ended
-with an error within :data:`BOUND_S` of the stop, and exited (no thread of ours or torch's keeps
-it alive): the collective's timeout or, for a survivor waiting in the same collective as one
+every survivor has ended (or :data:`KILL_AFTER_S` later, after every survivor must have
+ended). Each survivor must have ended with an error within :data:`BOUND_S` of the stop, and
+exited (no thread of ours or torch's keeps it alive): the collective's timeout or, for a
+survivor waiting in the same collective as one
 that timed out a moment before, gloo's "Connection closed by peer" (a gloo rank that times out
 closes every connection of that group: the other survivor's wait ends just before its own
 timeout would); at least one survivor raised the timeout. Every survivor's error names the

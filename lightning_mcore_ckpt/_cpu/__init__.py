@@ -44,6 +44,11 @@ computation at all. Each adaptation is the smallest that makes the stock code pa
 * **MoE router on megatron-core 0.16.** Its router reads ``te_general_gemm``, a name that
   version binds only when Transformer Engine imports: it is bound to ``None`` here, as 0.17+
   does, and the router takes its plain-torch matmul.
+* **Compiled helpers** (:mod:`._eager`). Megatron-Core compiles a few small helpers with
+  ``torch.compile`` (``jit_fuser``: the MoE router's expert-bias update, fused activations...),
+  which on the CPU means C++ built by the system's compiler at every process's first step:
+  seconds of CPU each, and a failure where no compiler is installed. On CPU they run as the
+  functions they wrap; what a user compiles is untouched.
 * **Model configs.** :func:`transformer_config_overrides` turns off the fused kernels (CUDA
   only) and asks for CPU initialisation in configs built from a Hugging Face model.
 * **Sequence parallelism** (:mod:`._norm`). The local layer spec's torch norm
@@ -67,7 +72,7 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_ckpt._cpu import _device, _norm, _patches
+from lightning_mcore_ckpt._cpu import _device, _eager, _norm, _patches
 
 __all__ = [
     "cuda_available",
@@ -191,5 +196,6 @@ def install(device_type: str | None = None) -> bool:
             _patches.patch_moe_split_sizes()
             _patches.patch_moe_router_gemm()
             _patches.patch_uneven_gathers()
+            _eager.run_compiled_helpers_eagerly()
             _installed = True
     return True

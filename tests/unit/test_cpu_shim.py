@@ -4,6 +4,7 @@ the machine has no GPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,13 @@ def test_install_does_nothing_when_cuda_is_available() -> None:
         assert random._get_cuda_rng_state.__module__ == random.__name__
         assert not hasattr(filesystem_async.FileSystemWriterAsync.preload_tensors, "__wrapped__")
         assert not hasattr(utils.GlobalMemoryBuffer.get_tensor, "__wrapped__")
+        from megatron.core import jit
+        from megatron.core.transformer.moe.router import TopKRouter
+        from lightning_mcore_ckpt._cpu import _eager
+        assert jit.jit_fuser is torch.compile
+        assert "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias" in (
+            _eager.compiled_helpers()
+        )
         print("untouched")
         """
     )
@@ -109,6 +117,68 @@ def test_a_process_training_on_the_cpu_of_a_machine_with_cuda_is_adapted() -> No
     )
     assert result.returncode == 0, result.stderr
     assert "adapted" in result.stdout
+
+
+def test_megatron_helpers_run_eagerly_and_a_users_compile_is_untouched() -> None:
+    _cpu.install("cpu")
+    from megatron.core import jit
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from lightning_mcore_ckpt._cpu import _eager
+
+    assert _eager.compiled_helpers() == []
+    assert not hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable")
+    # Modules imported from now on decorate with a no-op.
+    assert jit.jit_fuser(len) is len
+
+    def users(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    compiled = torch.compile(users)
+    assert compiled._torchdynamo_orig_callable is users  # type: ignore[attr-defined]
+
+
+def test_an_moe_with_expert_bias_trains_on_a_cpu_without_a_cxx_compiler() -> None:
+    # The router's expert-bias update is torch.compile'd by Megatron-Core: on the CPU, inductor
+    # builds C++ at the first forward, which fails where no compiler works.
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_MOE_STEP)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "CXX": "/nonexistent/g++", "RANK": "0", "WORLD_SIZE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained" in result.stdout
+
+
+_MOE_STEP = """
+    import os
+    from lightning_mcore_ckpt.launch.local import find_free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    import torch
+    import torch.distributed as dist
+    from lightning_mcore_ckpt import _cpu
+    _cpu.install("cpu")
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    from lightning_mcore_ckpt.tiny import tiny_gpt
+    model = tiny_gpt(
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, add_bias_linear=False,
+        moe_token_dispatcher_type="alltoall", moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid", moe_router_load_balancing_type="none",
+    )
+    tokens = torch.randint(0, 100, (2, 16))
+    position_ids = torch.arange(16).expand(2, 16)
+    model(tokens, position_ids, None, labels=tokens).sum().backward()
+    (router,) = {type(m).__name__: m for m in model.modules() if hasattr(m, "expert_bias")}.values()
+    assert router.local_tokens_per_expert.sum() > 0  # the expert-bias update ran
+    dist.destroy_process_group()
+    print("trained")
+"""
 
 
 def test_cuda_type_strings_are_reported_only_inside_the_optimizers_checks() -> None:

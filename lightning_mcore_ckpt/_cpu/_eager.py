@@ -17,8 +17,8 @@ user compiles, are untouched.
 
 from __future__ import annotations
 
-import inspect
 import sys
+import types
 from typing import Any
 
 __all__ = ["compiled_helpers", "run_compiled_helpers_eagerly"]
@@ -27,9 +27,12 @@ _PACKAGE = "megatron"
 
 
 def _wrapped(value: Any) -> Any:
-    """The function a ``torch.compile`` wrapper wraps; ``None`` for anything else (a function
-    that ``torch.compiler.disable`` wraps is left as it is)."""
-    if not inspect.isfunction(value) or getattr(value, "_torchdynamo_disable", False):
+    """The function a ``torch.compile`` wrapper (or a static or class method of one) wraps;
+    ``None`` for anything else (a function that ``torch.compiler.disable`` wraps is left as it
+    is)."""
+    if type(value) in (staticmethod, classmethod):
+        value = value.__func__
+    if type(value) is not types.FunctionType or getattr(value, "_torchdynamo_disable", False):
         return None
     return getattr(value, "_torchdynamo_orig_callable", None)
 
@@ -61,7 +64,7 @@ def compiled_helpers() -> list[str]:
         for owner in _owners(module):
             prefix = module.__name__ if owner is module else f"{module.__name__}.{owner.__name__}"
             for name, value in list(vars(owner).items()):
-                if _wrapped(getattr(value, "__func__", value)) is not None:
+                if _wrapped(value) is not None:
                     found.append(f"{prefix}.{name}")
     return found
 
@@ -76,8 +79,7 @@ def run_compiled_helpers_eagerly() -> None:
     for module in _megatron_modules():
         for owner in _owners(module):
             for name, value in list(vars(owner).items()):
-                function = getattr(value, "__func__", value)
-                original = _wrapped(function)
+                original = _wrapped(value)
                 if original is None:
                     continue
                 if isinstance(value, (staticmethod, classmethod)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["compiled_helpers", "run_compiled_helpers_eagerly"]
@@ -37,36 +38,34 @@ def _wrapped(value: Any) -> Any:
     return getattr(value, "_torchdynamo_orig_callable", None)
 
 
-def _megatron_modules() -> list[Any]:
-    return [
-        module
-        for name, module in list(sys.modules.items())
-        if module is not None and (name == _PACKAGE or name.startswith(_PACKAGE + "."))
-    ]
-
-
-def _owners(module: Any) -> list[Any]:
-    """``module`` and the classes it defines: where a compiled helper is bound."""
-    defined = [
-        value
-        for value in vars(module).values()
-        if isinstance(value, type) and value.__module__ == module.__name__
-    ]
-    return [module, *defined]
+def _bound_wrappers() -> Iterator[tuple[Any, str, Any, Any]]:
+    """Each ``torch.compile`` wrapper bound in Megatron-Core's imported modules and in the
+    classes they define: ``(owner, name, value, wrapped function)``."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == _PACKAGE or name.startswith(_PACKAGE + ".")):
+            continue
+        classes = [
+            value
+            for value in vars(module).values()
+            if isinstance(value, type) and value.__module__ == module.__name__
+        ]
+        for owner in (module, *classes):
+            for attribute, value in list(vars(owner).items()):
+                original = _wrapped(value)
+                if original is not None:
+                    yield owner, attribute, value, original
 
 
 def compiled_helpers() -> list[str]:
     """The ``torch.compile`` wrappers bound in Megatron-Core's imported modules and classes, as
     ``module.name`` or ``module.Class.name`` (empty once :func:`run_compiled_helpers_eagerly`
     ran)."""
-    found = []
-    for module in _megatron_modules():
-        for owner in _owners(module):
-            prefix = module.__name__ if owner is module else f"{module.__name__}.{owner.__name__}"
-            for name, value in list(vars(owner).items()):
-                if _wrapped(value) is not None:
-                    found.append(f"{prefix}.{name}")
-    return found
+    return [
+        f"{owner.__name__}.{name}"
+        if isinstance(owner, types.ModuleType)
+        else f"{owner.__module__}.{owner.__name__}.{name}"
+        for owner, name, _, _ in _bound_wrappers()
+    ]
 
 
 def run_compiled_helpers_eagerly() -> None:
@@ -76,12 +75,7 @@ def run_compiled_helpers_eagerly() -> None:
     from megatron.core import jit
 
     jit.disable_jit_fuser()
-    for module in _megatron_modules():
-        for owner in _owners(module):
-            for name, value in list(vars(owner).items()):
-                original = _wrapped(value)
-                if original is None:
-                    continue
-                if isinstance(value, (staticmethod, classmethod)):
-                    original = type(value)(original)
-                setattr(owner, name, original)
+    for owner, name, value, original in list(_bound_wrappers()):
+        if isinstance(value, (staticmethod, classmethod)):
+            original = type(value)(original)
+        setattr(owner, name, original)

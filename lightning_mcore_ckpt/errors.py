@@ -5,7 +5,9 @@ Lightning (which raises ``MisconfigurationException`` for a misconfigured ``Mode
 or ``Trainer``) and code that catches ``ValueError`` both catch it.
 
 Any layer of the package may import it. Importing it imports Lightning, so the modules that
-must stay light without Lightning (``hf``) import it where they raise.
+must stay light without Lightning (``hf``, which the command line's export, import and verify
+use) raise it through :func:`lightning_mcore_ckpt.hf._refused.refused`, which imports it only
+then.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from lightning_mcore_ckpt.callback.startup import (
 )
 from lightning_mcore_ckpt.callback.timing import SaveTiming
 from lightning_mcore_ckpt.errors import ConfigurationError
-from lightning_mcore_ckpt.format import layout, metrics
+from lightning_mcore_ckpt.format import layout, loops, metrics
 from lightning_mcore_ckpt.storage.lock import DirectoryLock
 from lightning_mcore_ckpt.strategy import MegatronStrategy
 
@@ -655,7 +655,7 @@ class MegatronCheckpoint(ModelCheckpoint):
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         fit = checkpoint.get("loops", {}).get("fit_loop")
         if fit is not None:
-            _loops.close_epoch(fit)
+            loops.close_epoch(fit)
         if self._writing is not None:
             # A step written once Lightning has closed its epoch records the epoch of its
             # trigger (Lightning's checkpoint would have been written there), not the next.

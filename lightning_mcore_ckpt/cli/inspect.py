@@ -33,6 +33,7 @@ from lightning_mcore_ckpt import _compat
 from lightning_mcore_ckpt.cli import splits
 from lightning_mcore_ckpt.cli.failure import fail
 from lightning_mcore_ckpt.format import layout, markers
+from lightning_mcore_ckpt.format.loops import between_epochs
 from lightning_mcore_ckpt.safety import safe_dcp as _safe_dcp
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
 
@@ -556,7 +557,6 @@ def _read_rank_states(files: list[Path]) -> _RankStates:
     # training process that would load these files.
     import megatron.core  # noqa: F401
 
-    from lightning_mcore_ckpt.callback._loops import between_epochs  # imports Lightning
     from lightning_mcore_ckpt.training.sampler import is_elastic_state
 
     found = _RankStates()

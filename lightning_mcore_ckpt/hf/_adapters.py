@@ -22,6 +22,7 @@ import torch
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._names import ADAPTER
 from lightning_mcore_ckpt.hf._reader import Slice, SliceReader, module_prefix
+from lightning_mcore_ckpt.hf._refused import refused
 
 __all__ = ["ADAPTERS", "LoRAReader", "check_adapters_args", "open_adapters", "write_peft_adapter"]
 
@@ -204,19 +205,15 @@ def write_peft_adapter(
 
 def check_adapters_args(adapters: str, lora_alpha: float | None, where: str) -> None:
     """Refuse a bad ``adapters``/``lora_alpha``, and ``"peft"`` without peft installed."""
-    from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
-
     if adapters not in ADAPTERS:
-        raise ConfigurationError(
+        raise refused(
             f"{where}: adapters={adapters!r} (--adapters): use 'merged' (LoRA adapters added "
             "into the weights: a plain model) or 'peft' (the adapters alone, PEFT's layout)"
         )
     if lora_alpha is not None and (
         isinstance(lora_alpha, bool) or not isinstance(lora_alpha, int | float) or lora_alpha <= 0
     ):
-        raise ConfigurationError(
-            f"{where}: lora_alpha={lora_alpha!r} (--lora-alpha): pass a number > 0"
-        )
+        raise refused(f"{where}: lora_alpha={lora_alpha!r} (--lora-alpha): pass a number > 0")
     if adapters == "peft":
         try:
             import peft  # noqa: F401

@@ -19,6 +19,7 @@ import torch
 import lightning_mcore_ckpt.hf._heads as _heads
 from lightning_mcore_ckpt import _compat, _cpu
 from lightning_mcore_ckpt.hf._names import VOCAB_KEYS
+from lightning_mcore_ckpt.hf._refused import refused
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -88,9 +89,7 @@ class HFBridge:
         model_type = raw.get("model_type")
         supported = supported_model_types()
         if model_type not in supported:
-            from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning
-
-            raise ConfigurationError(
+            raise refused(
                 f"{argument}: {path} has model_type={model_type!r}, which mbridge does not "
                 f"convert; supported model types: {', '.join(supported)}"
             )

@@ -26,6 +26,7 @@ from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._plan import DEFAULT_MAX_SHARD_BYTES, ExportPlan, plan_export
 from lightning_mcore_ckpt.hf._reader import SliceReader, module_prefix
+from lightning_mcore_ckpt.hf._refused import refused
 from lightning_mcore_ckpt.hf._safetensors import INDEX, SafetensorsWriter, write_index
 from lightning_mcore_ckpt.hf._upload import check_upload_options
 from lightning_mcore_ckpt.safety.names import inside
@@ -92,11 +93,9 @@ class HFExport:
     adapters: Literal["merged", "peft"] = "merged"
 
     def __post_init__(self) -> None:
-        from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
-
         _adapters.check_adapters_args(self.adapters, None, "HFExport")
         if self.head not in _heads.HEAD_ARG_CHOICES:
-            raise ConfigurationError(
+            raise refused(
                 f"HFExport(head={self.head!r}): use one of {list(_heads.HEAD_ARG_CHOICES)} "
                 "('auto': what the checkpoint's output layer is)"
             )
@@ -104,13 +103,13 @@ class HFExport:
             args = (self.upload_to, self.private, self.upload_attempts, self.upload_timeout_s)
             check_upload_options(*args, where="HFExport")
         if self.when not in WHEN:
-            raise ConfigurationError(
+            raise refused(
                 f"HFExport(when={self.when!r}): use one of {list(WHEN)} ('end': one export when "
                 "fit ends; 'every_save': into every step; 'never')"
             )
         writable = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
         if self.dtype is not None and self.dtype not in writable:
-            raise ConfigurationError(
+            raise refused(
                 f"HFExport(dtype={self.dtype!r}): pass one of "
                 f"{', '.join(str(d) for d in writable)}, or None for the checkpoint's dtype"
             )

@@ -15,6 +15,7 @@ import torch
 
 from lightning_mcore_ckpt.hf._bridge import HFBridge
 from lightning_mcore_ckpt.hf._names import ADAPTER, EXPERTS, LAYERS, VOCAB_KEYS, expert_name
+from lightning_mcore_ckpt.hf._refused import refused
 from lightning_mcore_ckpt.hf._safetensors import HFReader
 
 __all__ = ["check_model_matches", "gpt_model_prefixes", "load_hf_weights"]
@@ -49,9 +50,7 @@ def gpt_model_prefixes(module: torch.nn.Module, argument: str, fix: str) -> list
         if found
         else "the LightningModule has none"
     )
-    from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
-
-    raise ConfigurationError(
+    raise refused(
         f"{argument}: the Hugging Face conversion maps Megatron-Core GPTModels (of the model "
         f"types {', '.join(supported_model_types())}), and {what}; {fix}"
     )

@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning_mcore_ckpt.format import layout, markers
 from lightning_mcore_ckpt.format.integrity import check_hashes
+from lightning_mcore_ckpt.hf._refused import refused
 from lightning_mcore_ckpt.hf._verify import verify_export
 
 __all__ = ["HubUploader", "UploadError", "UploadResult", "check_upload_options", "upload_export"]
@@ -80,17 +81,15 @@ def check_upload_options(
 
         check_upload_options("my-org/qwen-sft", True, 3, 3600.0, where="HFExport")
     """
-    from lightning_mcore_ckpt.errors import ConfigurationError  # imports Lightning: here only
-
     if not isinstance(upload_to, str) or not _REPO_ID.match(upload_to) or ".." in upload_to:
-        raise ConfigurationError(
+        raise refused(
             f"{where}(upload_to={upload_to!r}): pass a Hub model repository as 'org/name' (or "
             "'user/name'): letters, digits, '-', '_' and '.', one '/', e.g. 'my-org/qwen-sft'"
         )
     if not isinstance(private, bool):
-        raise ConfigurationError(f"{where}(private={private!r}): pass True or False")
+        raise refused(f"{where}(private={private!r}): pass True or False")
     if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        raise ConfigurationError(
+        raise refused(
             f"{where}(upload_attempts={attempts!r}): pass an int >= 1 (attempts before an "
             "upload is reported failed; 1: no retry)"
         )
@@ -100,7 +99,7 @@ def check_upload_options(
         or not math.isfinite(timeout_s)
         or timeout_s < 0
     ):
-        raise ConfigurationError(
+        raise refused(
             f"{where}(upload_timeout_s={timeout_s!r}): pass a finite number of seconds >= 0 "
             "that the end of fit waits for an upload in flight"
         )

@@ -42,6 +42,7 @@ def test_import_then_export_gives_back_the_same_files(
     step = tmp_path / "imported"
     done = installed_cli("import", str(src), "--out", str(step))
     assert done.returncode == 0, done.stderr
+    assert "lightning" not in done.imported, sorted(done.imported)  # the import needs none
     assert sorted(p.name for p in step.iterdir()) == ["metadata.json", "model"]
     assert json.loads((step / "metadata.json").read_text())["contents"] == ["model"]
 

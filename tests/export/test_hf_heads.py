@@ -122,6 +122,7 @@ def test_a_critic_exports_as_value_and_reward_models_that_compute_what_it_comput
         "export", str(step), "--hf-model", str(src), "--out", str(reward_dir), "--head", "reward"
     )
     assert done.returncode == 0, done.stderr
+    assert "lightning" not in done.imported, sorted(done.imported)  # the export needs none
     reward = AutoModelForSequenceClassification.from_pretrained(reward_dir, local_files_only=True)
     reward.eval()
     with torch.no_grad():

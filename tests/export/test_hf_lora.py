@@ -156,6 +156,7 @@ def test_merged_and_peft_exports_compute_the_trained_model(runs: Any, tp: int) -
         merged = tmp / "tp1-merged"
         done = installed_cli("export", str(step), "--hf-model", str(src), "--out", str(merged))
         assert done.returncode == 0, done.stderr
+        assert "lightning" not in done.imported, sorted(done.imported)  # the export needs none
     merged_logits = _hf_logits(merged, run["probe"])
     torch.testing.assert_close(merged_logits, run["logits"], rtol=0, atol=LOGITS_ATOL)
     base_logits = _hf_logits(src, run["probe"])

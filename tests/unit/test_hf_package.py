@@ -11,6 +11,7 @@ import lightning_mcore_ckpt
 
 HF = Path(lightning_mcore_ckpt.__file__).parent / "hf"
 ORDER = [
+    "_refused",
     "_names",
     "_heads",
     "_bridge",

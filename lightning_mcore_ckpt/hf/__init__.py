@@ -23,8 +23,8 @@ and ``.cuda()``).
 
 The modules, each importing only those above it:
 
-- ``_refused``: a refused option raised without importing Lightning before it is (an export,
-  an import or a verification in a process of its own needs none of it);
+- ``_refused``: a refused option's error, Lightning imported only once one is refused (an
+  export, an import or a verification in a process of its own needs none of it);
 - ``_names``: the Megatron-Core tensor names the conversion relies on;
 - ``_heads``: output heads (language model, value, reward) in both formats;
 - ``_bridge``: :class:`HFBridge`, :func:`supported_model_types`;

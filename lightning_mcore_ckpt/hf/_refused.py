@@ -1,4 +1,5 @@
-"""A refused option of the Hugging Face conversion, as :class:`~lightning_mcore_ckpt.errors.ConfigurationError`.
+"""A refused option of the Hugging Face conversion: a
+:class:`~lightning_mcore_ckpt.errors.ConfigurationError`.
 
 That class is also Lightning's ``MisconfigurationException``, so importing it imports Lightning
 (seconds of CPU). An export, an import or a verification in a process of its own (the command

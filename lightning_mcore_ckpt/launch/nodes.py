@@ -219,7 +219,10 @@ def _node_main(
     launch: _Launch, node: int, hostname: str, results: Any, exits: Any, start: Any
 ) -> None:
     # The node's process group: its ranks and everything they start are in it (kill_node).
+    # Said to the parent, which hands every node the groups only once each exists: a rank may
+    # stop or kill another node (stop_node, kill_node) as soon as it starts.
     os.setsid()
+    start.send(os.getpgrp())
     groups = start.recv()
     start.close()
     node_env = {**launch.env, _NODE_GROUPS_ENV: ",".join(str(g) for g in groups)}
@@ -316,27 +319,53 @@ def run_nodes(
     ctx = _context()
     job = _Job(ctx, nodes, ranks_per_node, outcomes)
     launch = _Launch(fn, args, nodes, ranks_per_node, find_free_port(), local_dir, dict(env or {}))
-    starts = [ctx.Pipe(duplex=False) for _ in range(nodes)]
+    starts = [ctx.Pipe() for _ in range(nodes)]  # (the parent's end, the launcher's)
     procs = [
         ctx.Process(
             target=_node_main,
-            args=(launch, node, names[node], job.results[node], job.exits[node], starts[node][0]),
+            args=(launch, node, names[node], job.results[node], job.exits[node], starts[node][1]),
             name=f"node{node}",
         )
         for node in range(nodes)
     ]
     for proc in procs:
         proc.start()
-    for _, send in starts:
-        send.send([proc.pid for proc in procs])  # each launcher leads its group: pgid == pid
-        send.close()
+    for _, theirs in starts:
+        theirs.close()  # the launcher's alone now: its end closes when it dies
+    deadline = time.monotonic() + timeout
     try:
-        return job.wait(procs, time.monotonic() + timeout, timeout)
+        groups = _groups_once_led([ours for ours, _ in starts], deadline, timeout)
+        for ours, _ in starts:
+            ours.send(groups)
+            ours.close()
+        return job.wait(procs, deadline, timeout)
     finally:
         if job.finished:
             for proc in procs:
                 proc.join(timeout=30)
         _kill(procs)
+
+
+def _groups_once_led(starts: list[Any], deadline: float, timeout: float) -> list[int]:
+    """Each node's process group, by node, once every node's launcher leads its own (it says so
+    on its ``start`` pipe). Handed out before that, a rank of a node that started first could
+    stop or kill a group that does not exist yet: a node whose launcher is slow to start."""
+    groups = []
+    for node, start in enumerate(starts):
+        try:
+            led = start.poll(max(0.0, deadline - time.monotonic()))
+            group = start.recv() if led else None
+        except (EOFError, OSError):
+            raise DistributedFailure(
+                f"node {node}'s launcher ended before it started its ranks; all nodes were killed"
+            ) from None
+        if group is None:
+            raise DistributedFailure(
+                f"node {node}'s launcher did not start within {timeout:.0f} s; all nodes were "
+                "killed"
+            )
+        groups.append(int(group))
+    return groups
 
 
 class _Job:

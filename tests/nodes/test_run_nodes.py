@@ -277,6 +277,78 @@ def test_a_stopped_node_is_killed_after_its_time_or_once_the_others_end(
         assert stopped.ended - started >= kill_after_s, (stopped, started)
 
 
+def _first_to_unpickle_sleeps(marker: str, seconds: float) -> None:
+    """Unpickles :class:`_SlowToStart`: in the launcher that gets there first, sleep ``seconds``."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return None
+    time.sleep(seconds)
+    return None
+
+
+class _SlowToStart:
+    """An argument of the ranks, unpickled by every node's launcher before the launcher runs:
+    the first launcher to unpickle it starts ``seconds`` late (a node slow to start); the ranks
+    receive ``None``."""
+
+    def __init__(self, marker: Path, seconds: float) -> None:
+        self.marker, self.seconds = str(marker), seconds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_first_to_unpickle_sleeps, (self.marker, self.seconds))
+
+
+def _every_node_group_exists(rank: int, world_size: int, _slow: None) -> list[int]:
+    """At the rank's start, signal 0 to every node's process group: what stop_node and
+    kill_node would signal. ``ProcessLookupError`` where a group does not exist yet."""
+    groups = _nodes._node_groups("test")
+    for group in groups:
+        os.killpg(group, 0)
+    return groups
+
+
+def test_every_node_leads_its_group_before_any_rank_starts(tmp_path: Path) -> None:
+    """One node's launcher starts 3 s after the other's: the other node's rank, started as
+    soon as it can, finds both nodes' process groups there, so stop_node or kill_node at a
+    rank's start reaches the whole node (the groups were handed out before the slow launcher
+    led its own: the signal found no such group)."""
+    slow = _SlowToStart(tmp_path / "slow", 3.0)
+    started = time.monotonic()
+    groups = run_nodes(_every_node_group_exists, 2, 1, slow, timeout=120)
+    assert (tmp_path / "slow").exists()  # a launcher did start late
+    assert time.monotonic() - started >= 3.0
+    assert groups[0] == groups[1] and len(set(groups[0])) == 2, groups
+
+
+def _exits_when_unpickled() -> None:
+    os._exit(7)
+
+
+class _DiesAtStart:
+    """An argument whose unpickling, in each node's launcher before it runs, ends the launcher."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_exits_when_unpickled, ())
+
+
+@pytest.mark.parametrize(
+    "start, pattern",
+    [
+        ("dies", r"node 0's launcher ended before it started its ranks"),
+        ("slow", r"node \d's launcher did not start within 2 s"),
+    ],
+)
+def test_a_launcher_that_does_not_start_fails_the_job_in_time_naming_its_node(
+    start: str, pattern: str, tmp_path: Path
+) -> None:
+    arg = _DiesAtStart() if start == "dies" else _SlowToStart(tmp_path / "slow", 30.0)
+    started = time.monotonic()
+    with pytest.raises(DistributedFailure, match=pattern):
+        run_nodes(_every_node_group_exists, 2, 1, arg, timeout=2)
+    assert time.monotonic() - started < 20
+
+
 def test_stop_node_refuses_a_time_that_is_not_positive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_nodes._NODE_GROUPS_ENV, f"{os.getpid()}")
     for bad in (0, -1.0, float("nan")):

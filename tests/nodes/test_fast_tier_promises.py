@@ -161,9 +161,20 @@ def _inject_kill(point: str, shared: Path, world_size: int) -> None:
 
 
 def _tree(root: str | Path) -> dict[str, int]:
-    """Every file under ``root``, by relative path: its size."""
+    """Every file under ``root``, by relative path: its size. Taken right after a recovery,
+    while the thread that writes a fetched peer's copy may still run: a file or directory that
+    goes while it is listed (that thread's temporary file, renamed into place) is left out."""
     root = Path(root)
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    tree = {}
+    for parent, _, names in os.walk(root):  # a directory gone while walked: skipped
+        for name in names:
+            path = Path(parent, name)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            tree[str(path.relative_to(root))] = size
+    return tree
 
 
 def _step_of(path: str) -> int | None:

@@ -292,9 +292,11 @@ def run_nodes(
     A rank that raises or dies, or a node killed (:func:`kill_node`), fails the call with
     :class:`~lightning_mcore_ckpt.launch.local.DistributedFailure` naming it, as does the
     ``timeout`` (naming the ranks that had not finished); every process is killed first. With
-    ``outcomes=True`` nothing fails the call: it waits until every rank has ended (or the
-    timeout has passed, and kills the rest) and returns each rank's :class:`RankOutcome`, so
-    that a test of a fault asserts what every rank did and when.
+    ``outcomes=True`` nothing a rank does fails the call: it waits until every rank has ended
+    (or the timeout has passed, and kills the rest) and returns each rank's
+    :class:`RankOutcome`, so that a test of a fault asserts what every rank did and when.
+    Either way, a node's launcher that dies or does not start within the ``timeout`` fails the
+    call naming the node: no rank starts before every node's launcher leads its process group.
 
     Example::
 

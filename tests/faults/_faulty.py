@@ -11,6 +11,12 @@ a line: the event, the wall-clock time, the rank and the process), so that a tes
 when it struck: ``fired`` (an error raised), and for a signal ``sent``, ``caught`` (by the
 rank's preemption handler), ``agreed`` (every rank learnt of it), ``released`` (the writer
 goes on) or ``not released`` (it waited in vain, then went on).
+
+A signal held until every rank ``agreed`` is sent from an async save's background write, which
+a loaded machine may start only after the next steps have trained (the run would then end at
+its last step before any rank learnt of the signal): the signalled rank waits at the end of
+the step after the faulted save, before the checkpoint callback polls, until the signal is
+sent (:data:`HOLD_S` at most).
 """
 
 from __future__ import annotations
@@ -76,6 +82,26 @@ def _record(event: str, rank: int) -> None:
     _EVENTS.parent.mkdir(parents=True, exist_ok=True)
     with open(_EVENTS, "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+def _holds_until_agreed(fault: str | None, rank: int) -> bool:
+    """Whether ``fault`` sends this rank a signal from its save and holds until ``agreed``."""
+    if not fault:
+        return False
+    point_action, _, only_rank = fault.partition("@")
+    action = point_action.partition(":")[2]
+    mine = not only_rank or int(only_rank) == rank
+    return mine and action.startswith("SIG") and action.endswith(">agreed")
+
+
+def _wait_until_sent(limit: float) -> None:
+    """Wait until this rank's fault has sent its signal (``sent`` in the events), ``limit`` s
+    at most."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if _EVENTS is not None and _EVENTS.exists() and '"sent"' in _EVENTS.read_text():
+            return
+        time.sleep(0.01)
 
 
 def events(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -398,6 +424,7 @@ def _run(
     writer: str,
     num_nodes: int,
     gather_optimizer: bool,
+    fault: str | None,
     **_: Any,
 ) -> dict[str, Any]:
     import datetime
@@ -412,12 +439,16 @@ def _run(
     if slurm_job is not None:
         os.environ.update(_srun_variables(slurm_job, rank, world_size))
     seen: dict[str, int] = {}
+    holds_until_agreed = _holds_until_agreed(fault, rank)
 
     class Watch(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             seen["start"] = trainer.global_step
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            # Before the checkpoint callback's poll (Lightning runs checkpoint callbacks last).
+            if holds_until_agreed and trainer.global_step == FAULT_STEP + 1:
+                _wait_until_sent(HOLD_S)
             if signal_at is not None:
                 step, signum, only_rank = signal_at
                 if trainer.global_step == step and rank == only_rank:

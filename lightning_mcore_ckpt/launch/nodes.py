@@ -321,31 +321,39 @@ def run_nodes(
     ctx = _context()
     job = _Job(ctx, nodes, ranks_per_node, outcomes)
     launch = _Launch(fn, args, nodes, ranks_per_node, find_free_port(), local_dir, dict(env or {}))
-    starts = [ctx.Pipe() for _ in range(nodes)]  # (the parent's end, the launcher's)
-    procs = [
-        ctx.Process(
-            target=_node_main,
-            args=(launch, node, names[node], job.results[node], job.exits[node], starts[node][1]),
-            name=f"node{node}",
-        )
-        for node in range(nodes)
-    ]
-    for proc in procs:
-        proc.start()
-    for _, theirs in starts:
-        theirs.close()  # the launcher's alone now: its end closes when it dies
+    procs, starts = _start_launchers(ctx, launch, names, job)
     deadline = time.monotonic() + timeout
     try:
-        groups = _groups_once_led([ours for ours, _ in starts], deadline, timeout)
-        for ours, _ in starts:
-            ours.send(groups)
-            ours.close()
+        groups = _groups_once_led(starts, deadline, timeout)
+        for start in starts:
+            start.send(groups)
+            start.close()
         return job.wait(procs, deadline, timeout)
     finally:
         if job.finished:
             for proc in procs:
                 proc.join(timeout=30)
         _kill(procs)
+
+
+def _start_launchers(
+    ctx: Any, launch: _Launch, names: Sequence[str], job: _Job
+) -> tuple[list[Any], list[Any]]:
+    """Start every node's launcher; each one's process and the parent's end of its start pipe."""
+    pipes = [ctx.Pipe() for _ in range(launch.nodes)]  # (the parent's end, the launcher's)
+    procs = [
+        ctx.Process(
+            target=_node_main,
+            args=(launch, node, names[node], job.results[node], job.exits[node], pipes[node][1]),
+            name=f"node{node}",
+        )
+        for node in range(launch.nodes)
+    ]
+    for proc in procs:
+        proc.start()
+    for _, theirs in pipes:
+        theirs.close()  # the launcher's alone now: its end closes when it dies
+    return procs, [ours for ours, _ in pipes]
 
 
 def _groups_once_led(starts: list[Any], deadline: float, timeout: float) -> list[int]:

@@ -11,7 +11,8 @@
 #                     AdamW, then Megatron-Core's distributed optimizer: each written as it ends)
 # `scripts/gpu-tier.sh tests`, `... bench` or `... loads` runs one part only. TEST_TIMEOUT,
 # BENCH_TIMEOUT and LOADS_TIMEOUT (seconds) bound each part; BENCH_ARGS replaces the
-# benchmark's arguments (default: --sizes 1G,4G).
+# benchmark's arguments (default: --sizes 1G,4G); TEST_WORKERS sets the tier's pytest-xdist
+# workers on the one GPU (default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -32,8 +33,8 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 } >"$OUT/environment.txt" 2>&1
 part="${1:-all}"
 status=0
-if [ "$part" != bench ]; then
-timeout "${TEST_TIMEOUT:-330}" python3 -m pytest tests/gpu tests/distributed/test_launch_cuda.py -n 4 -q -rA -p no:cacheprovider \
+if [ "$part" = all ] || [ "$part" = tests ]; then
+timeout "${TEST_TIMEOUT:-330}" python3 -m pytest tests/gpu tests/distributed/test_launch_cuda.py -n "${TEST_WORKERS:-4}" -q -rA -p no:cacheprovider \
   --junitxml="$OUT/gpu-tier.xml" >"$OUT/gpu-tier.log" 2>&1 || status=1
 tail -n 30 "$OUT/gpu-tier.log"
 fi

@@ -188,6 +188,32 @@ def async_classes() -> tuple[type, type]:
     return AsyncCallsQueue, AsyncRequest
 
 
+def forget_staged_tensors() -> None:
+    """Make NVRx's writer send every tensor again with its next request, and let go of the
+    tensors earlier requests staged.
+
+    With plans kept (``cached_metadata``), Megatron-Core asks NVRx's writer to cache a save's
+    structure: once a request for a structure is *planned*, the writer's later requests for it
+    carry only a key, and staging (``preload_fn``) looks the tensors up under that key, where the
+    first request's staging kept them. NVRx stages in its worker process; we stage on the
+    training thread (:func:`~lightning_mcore_ckpt.engine._requests.combine_async_requests`), so
+    that cache is this process's and holds the model's and optimizer's tensors. A request planned
+    and then dropped unstaged (the first save planned ahead, a save that failed between planning
+    and staging) leaves the key known and its tensors nowhere, and the next save's staging fails
+    ("Worker cache miss for key"). Called after any such drop and when the writer closes; does
+    nothing where NVRx's writer was never imported.
+    """
+    prefix = "nvidia_resiliency_ext.checkpointing.async_ckpt."
+    writer = getattr(sys.modules.get(prefix + "filesystem_async"), "FileSystemWriterAsync", None)
+    caller = getattr(sys.modules.get(prefix + "core"), "PersistentAsyncCaller", None)
+    for cleanup in (
+        getattr(writer, "cleanup_tensor_caches", None),  # the keys known, the shm buffers
+        getattr(caller, "cleanup_worker_data_cache", None),  # the tensors kept under them
+    ):
+        if cleanup is not None:
+            cleanup()
+
+
 def drain_write_results() -> int:
     """Empty the writers' process-wide results queues; how many stale results were dropped.
 

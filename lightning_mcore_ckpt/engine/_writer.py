@@ -254,22 +254,28 @@ class CheckpointWriter:
             self._refusals.check(f"{sub}/", functools.partial(refused_objects, ssd, sub))
         strategies = self.plans.strategies([(d.name, ssd) for ssd, d, _ in parts], state.device)
         timed.mark("plans")
-        with _metadata_ahead.collecting() as ahead:  # .metadata written ahead, our writer's
-            requests = plan_requests(parts, strategies, kept, self.writer, not self.plans.reused)
-        timed.mark("planning")
-        write_timer = torch.zeros(1, dtype=torch.float64)
-        if own:
-            request = self.shards.request(
-                requests,
-                write_timer,
-                async_save,
-                _compat.builtin_request_class(),
-                None if extra is None else _write_extra_later(extra),
-                ahead,
-            )
-        else:
-            write_timer.share_memory_()  # written by Megatron-Core's background process
-            request = combine_async_requests([r for _, r in requests], write_timer)
+        try:
+            with _metadata_ahead.collecting() as ahead:  # .metadata written ahead, our writer's
+                requests = plan_requests(
+                    parts, strategies, kept, self.writer, not self.plans.reused
+                )
+            timed.mark("planning")
+            write_timer = torch.zeros(1, dtype=torch.float64)
+            if own:
+                request = self.shards.request(
+                    requests,
+                    write_timer,
+                    async_save,
+                    _compat.builtin_request_class(),
+                    None if extra is None else _write_extra_later(extra),
+                    ahead,
+                )
+            else:
+                write_timer.share_memory_()  # written by Megatron-Core's background process
+                request = combine_async_requests([r for _, r in requests], write_timer)
+        except BaseException:
+            _compat.forget_staged_tensors()  # planned, perhaps, but never staged
+            raise
         timed.mark("staging")
         return request, write_timer, sharding
 
@@ -312,6 +318,8 @@ class CheckpointWriter:
                     plan_requests(parts, strategies, [], self.writer, not self.plans.reused)
             except Exception as err:  # noqa: BLE001 - every rank learns of it, then logged
                 error = err
+            finally:
+                _compat.forget_staged_tensors()  # the requests are dropped unstaged
         headline = "planning the first save ahead failed"
         failure = agree_on_failure(error, Path(scratch), "", state.rank, state.device, headline)
         if failure is not None:
@@ -582,6 +590,7 @@ class CheckpointWriter:
             self._async_queue.close()
             self._async_queue = None
         self.shards.close()
+        _compat.forget_staged_tensors()
 
 
 def _write_extra_later(extra: ExtraFile) -> Callable[[], None]:

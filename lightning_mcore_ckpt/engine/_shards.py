@@ -205,6 +205,20 @@ class ShardWriter:
             self._stage_bounded(jobs, session)
         return request_class(self.write, (jobs, write_timer, side_write, ahead), finalize_fns)
 
+    def reserve(self, requests: Sequence[tuple[str, Any]], snapshot: bool) -> None:
+        """Allocate the staging that :meth:`request` of ``requests`` would allocate (unbounded:
+        a buffer per tensor; bounded: the ring), copying and writing nothing: a save planned
+        ahead (``CheckpointWriter.plan_ahead``) has its first save stage into memory that is
+        already there. Not with dedup, whose first save stages only the tensors it writes."""
+        if self.dedup is not None:
+            return
+        parts = [(name, req.async_fn_args[1]) for name, req in requests if req.async_fn]
+        if self.bounded is not None:
+            self.bounded.reserve([buckets for _, buckets in parts], snapshot)
+            return
+        for name, buckets in parts:
+            self.staging.reserve(name, buckets, snapshot)
+
     def _stage_bounded(self, jobs: Sequence[_Job], session: StagingSession) -> None:
         """Queue every file's write, in order, then copy the tensors in that order (each file
         waits for its tensors; see ``_staging``)."""

@@ -294,7 +294,10 @@ class CheckpointWriter:
         this rank's (Megatron-Core keeps a plan once two saves planned it alike) and writes
         nothing else: the requests are dropped unwritten and the directory removed. The first
         save then reuses the plans while every rank's structure is still the one planned (its
-        fingerprint is compared, as at every save), else plans afresh. Does nothing with plans
+        fingerprint is compared, as at every save), else plans afresh. With our writer, the
+        host memory the first save would stage into is allocated too (:meth:`ShardWriter.reserve`:
+        pinned memory for device tensors, which took the first sync save of 1 GiB on an H200
+        0.66 s of staging against 0.02 s for the later ones). Does nothing with plans
         not kept (``cache_plans=False``), once plans are kept, or after a first attempt. A
         failure on any rank is logged on rank 0 and leaves the first save to plan itself.
         Returns whether it planned.
@@ -315,7 +318,11 @@ class CheckpointWriter:
                         directory.mkdir(parents=True)
                     named = [(d.name, ssd) for ssd, d, _ in parts]
                     strategies = self.plans.strategies(named, state.device)
-                    plan_requests(parts, strategies, [], self.writer, not self.plans.reused)
+                    requests = plan_requests(
+                        parts, strategies, [], self.writer, not self.plans.reused
+                    )
+                if self.writer == _compat.THREADS:  # the first save's staging, allocated now
+                    self.shards.reserve(requests, self.async_save)
             except Exception as err:  # noqa: BLE001 - every rank learns of it, then logged
                 error = err
             finally:

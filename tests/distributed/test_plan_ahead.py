@@ -7,15 +7,18 @@ assignment of replicated tensors is planned and kept too):
 - mode: sync, async;
 - writer: ours (threads), Megatron-Core's;
 - gradient accumulation: 1, 2 batches (the first optimizer step comes after the second batch);
-every pair of those in four cells. Then, each on its own: the structure changed between the
+- staging (our writer's): unbounded, bounded (``ckpt_max_staging_bytes``);
+every pair of those in six cells (Megatron-Core's writer stages with its own). Then, each on its own: the structure changed between the
 planning and the first save (a tensor added: the first save plans afresh and holds it), plans
 not kept (``ckpt_cache_plans=False``: nothing is planned ahead), and planning that fails on every
 rank (the run goes on; the first save plans itself).
 
 Each cell asserts, on every rank: the collectives each save ran (the first as many as the
 last, unless its plan could not be used), whether it planned ahead, the steps committed, the
-first step's weights bit-exactly those of the model when it was saved, and that the planning's
-scratch directories are gone.
+first step's weights bit-exactly those of the model when it was saved, that the planning's
+scratch directories are gone, and, for our writer, that the first save staged into memory
+allocated ahead (no staging allocated at any save; on CPU an async save's snapshot is what is
+staged, on a GPU every save's device-to-host copy).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def _run(
     writer: str,
     accumulate: int,
     case: str,
+    bounded: bool = False,
 ) -> dict[str, Any]:
     import shutil
     import tempfile
@@ -111,15 +115,23 @@ def _run(
     first_weights: dict[str, torch.Tensor] = {}
 
     strategy = MegatronStrategy(
-        ckpt_async_save=async_save, ckpt_writer=writer, ckpt_cache_plans=case != "no-cache"
+        ckpt_async_save=async_save,
+        ckpt_writer=writer,
+        ckpt_cache_plans=case != "no-cache",
+        ckpt_max_staging_bytes=64 * 1024 if bounded else None,
     )
     writer_obj = strategy._writer
     save = writer_obj.save
+    shards = writer_obj.shards
+    staging = shards.staging if shards.bounded is None else shards.bounded
+    allocated: list[int] = []  # staging allocated by each save
 
     def counted_save(*args: Any, **kwargs: Any) -> Any:
         writer_obj.finalize(blocking=True)  # the previous save's finalising is not this one's
         before, finalisers = counts["n"], counts["finalising"]
+        allocations = staging.allocations
         out = save(*args, **kwargs)
+        allocated.append(staging.allocations - allocations)
         planned = counts["n"]
         writer_obj.finalize(blocking=True)
         per_save.append(planned - before)
@@ -173,6 +185,8 @@ def _run(
         "committed": [s.path.name for s in layout.complete_steps(Path(root, "ckpt"))],
         "scratch_left": left,
         "first_weights": first_weights,
+        "allocated": allocated,
+        "staging_allocations": staging.allocations,
     }
 
 
@@ -196,7 +210,13 @@ def _saved_weights(rank: int, world_size: int, step_dir: str, grown: bool) -> di
     return gather_sharded(trainer.strategy.model_sharded_state_dict())
 
 
-def _check(tmp_path: Path, results: list[dict[str, Any]], case: str, threads: bool = False) -> None:
+def _check(
+    tmp_path: Path,
+    results: list[dict[str, Any]],
+    case: str,
+    threads: bool = False,
+    staged: bool = False,
+) -> None:
     steps = [f"global_step_{EVERY * (i + 1)}" for i in range(SAVES)]
     for rank, out in enumerate(results):
         assert out["committed"] == steps, (rank, out["committed"])
@@ -220,6 +240,10 @@ def _check(tmp_path: Path, results: list[dict[str, Any]], case: str, threads: bo
             # from: tests/distributed/test_metadata_ahead.py).
             first, last = out["finalising"][0], out["finalising"][-1]
             assert first == last or (threads and first > last), (rank, out["finalising"])
+            # No save allocated staging: the first staged into memory allocated ahead.
+            assert out["allocated"] == [0] * SAVES, (rank, out["allocated"])
+            if staged:  # (and there was staging to allocate)
+                assert out["staging_allocations"] > 0, rank
         else:
             # Its plan could not be used (the structure changed, or the planning failed):
             # the first save planned itself.
@@ -238,22 +262,32 @@ def _check(tmp_path: Path, results: list[dict[str, Any]], case: str, threads: bo
 
 
 @pytest.mark.parametrize(
-    ("async_save", "writer", "accumulate"),
+    ("async_save", "writer", "accumulate", "bounded"),
     [
-        (False, "threads", 1),
-        (True, "threads", 2),
-        (False, "megatron", 2),
-        (True, "megatron", 1),
+        (False, "threads", 1, False),
+        (True, "threads", 2, False),
+        (False, "threads", 2, True),
+        (True, "threads", 1, True),
+        (False, "megatron", 2, False),
+        (True, "megatron", 1, False),
     ],
-    ids=["sync-threads-acc1", "async-threads-acc2", "sync-megatron-acc2", "async-megatron-acc1"],
+    ids=[
+        "sync-threads-acc1",
+        "async-threads-acc2",
+        "sync-threads-acc2-bounded",
+        "async-threads-acc1-bounded",
+        "sync-megatron-acc2",
+        "async-megatron-acc1",
+    ],
 )
 def test_the_first_save_runs_the_collectives_of_the_later_ones(
-    tmp_path: Path, async_save: bool, writer: str, accumulate: int
+    tmp_path: Path, async_save: bool, writer: str, accumulate: int, bounded: bool
 ) -> None:
     results = run_distributed(
-        _run, 2, str(tmp_path), async_save, writer, accumulate, "planned", timeout=240
+        _run, 2, str(tmp_path), async_save, writer, accumulate, "planned", bounded, timeout=240
     )
-    _check(tmp_path, results, "planned", writer == "threads")
+    # On CPU, our writer stages an async save's snapshot (a sync save writes the tensors).
+    _check(tmp_path, results, "planned", writer == "threads", async_save and writer == "threads")
 
 
 @pytest.mark.parametrize("case", ["grows", "no-cache", "fails"])

@@ -7,8 +7,9 @@ directory at the same path, its own host name), faults where they happen (``_fau
 - Lightning sees each rank's node, local rank and global rank as torchrun gives them;
 - a node lost during a save (every process of it SIGKILLed while it writes a shard of step 4:
   inside a sync save, or while an async write is in flight): the other node's ranks end with
-  the transport's error naming the lost peer, well within the process group's timeout, and
-  their processes exit; "last" stays the previous step and the partial step is never named;
+  the transport's error naming the lost peer (usually at once) or the process group's timeout,
+  within what the library promises for a lost node (the timeout and the roll call), and their
+  processes exit; "last" stays the previous step and the partial step is never named;
   both nodes then resume bit for bit like an uninterrupted run (losses, weights, optimizer);
 - a preemption signal on one node: every rank saves the step it is on and stops; the resume is
   exact;
@@ -39,14 +40,21 @@ from _node_dirs import node_local
 
 from lightning_mcore_ckpt.format import layout
 from lightning_mcore_ckpt.storage.lock import LOCK_FILE
+from lightning_mcore_ckpt.strategy.roll_call import ROLL_CALL_S, STORE_S
 from lightning_mcore_ckpt.testing import RankOutcome, node_storage, run_nodes
 
 pytestmark = pytest.mark.timeout(1200)
 
 NODES, PER_NODE = 2, 2
 GROUP_TIMEOUT_S = 60.0
-"""The process group's timeout (``MegatronStrategy(timeout=...)``): a rank waiting on a lost
-peer must end within it."""
+"""The process group's timeout (``MegatronStrategy(timeout=...)``)."""
+LOST_BOUND_S = GROUP_TIMEOUT_S + ROLL_CALL_S + STORE_S
+"""A survivor of a lost node must have ended within this of the kill: what docs/nodes.md
+promises for a lost node, killed or silent (the timeout, then the roll call). A killed node's
+closed connections usually end the survivors at once, but not always: gloo can miss a closure
+that comes before a receive is posted, and that receive then waits out the timeout (seen on two
+loaded cores in about one run in six: every survivor ended 60.2-61.0 s after the kill, at
+"Timed out waiting 60000ms for recv operation to complete" in the finalisation's all-reduce)."""
 LAYOUT = {"tp": 2, "num_nodes": NODES, "group_timeout_s": GROUP_TIMEOUT_S}
 TRACKER = layout.TRACKER_FILE
 LAUNCH_S = 900.0
@@ -139,11 +147,16 @@ def test_a_node_lost_during_a_save_ends_the_others_in_time_and_costs_nothing_com
     outcomes = _nodes(train, run, fault, options, local=local, outcomes=True)
     killed_at, survivors = _lost_and_survivors(outcomes, lost)
     for o in survivors:
-        # Ended (its process exited, nothing hung) with an error that names the lost peer, well
-        # within the process group's timeout.
+        # Ended (its process exited, nothing hung) with an error that names the lost peer or
+        # the timeout, within the timeout and the roll call.
         assert not o.timed_out and o.exit_code == 0, o
         assert _names_the_lost_peer_or_the_timeout(o.error), o.error
-        assert o.ended is not None and o.ended - killed_at < GROUP_TIMEOUT_S, (o, killed_at)
+        assert o.ended is not None and o.ended - killed_at < LOST_BOUND_S, (o, killed_at)
+        if o.ended - killed_at >= GROUP_TIMEOUT_S:
+            # It waited out the timeout: its error says so, and the roll call's note names the
+            # lost node.
+            assert TIMED_OUT.search(o.error or ""), o.error
+            assert f"node {lost}" in (o.error or ""), o.error
     root = Path(run, "ckpt")
     assert layout.read_tracker(root) == 2  # "last" is still the previous step
     assert [s.step for s in layout.complete_steps(root)] == [2]

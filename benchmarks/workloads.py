@@ -345,8 +345,10 @@ def _probe_class() -> Any:
     class SaveProbe(pl.Callback):  # type: ignore[misc]
         """Around every save the Trainer makes into ``dirpath``: the device of the state it
         saves and the peak device memory of its blocking part; and the host memory from just
-        before the run's first save until every save is durable (the strategy's
-        ``on_train_end`` waits for the last one), above the level just before the first.
+        before the run's first save is planned ahead (the staging memory that planning
+        allocates for it is the saves' memory) or, where nothing is planned ahead, just before
+        the first save, until every save is durable (the strategy's ``on_train_end`` waits for
+        the last one), above the level at its start.
 
         A save's blocking time is timed by the library from before this probe is called: the
         probe looks at the state after the save returns (the same tensors) and does not wait
@@ -363,6 +365,12 @@ def _probe_class() -> Any:
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             strategy = trainer.strategy
             save, end = strategy.save_checkpoint, strategy.on_train_end
+            plan = strategy.plan_saves_ahead
+
+            def probed_plan(*args: Any, **kwargs: Any) -> bool:
+                if self.rss is None:
+                    self.rss = PeakRSS().__enter__()
+                return bool(plan(*args, **kwargs))
 
             def probed_save(checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
                 if not Path(filepath).resolve().is_relative_to(self.dirpath):
@@ -385,6 +393,7 @@ def _probe_class() -> Any:
 
             strategy.save_checkpoint = probed_save
             strategy.on_train_end = probed_end
+            strategy.plan_saves_ahead = probed_plan
 
         def stop(self) -> None:
             if self.rss is not None:

@@ -73,7 +73,7 @@ def test_every_method_is_timed_inside_fit_on_the_device_the_run_trained_on(
         "size": "quick",
         "repeats": 1,
         "saves": 2,
-        "every": 1,
+        "every": 2,  # the first save after the first optimizer step: it is planned ahead
         "dir": str(tmp_path / "scratch"),
         "device": "cpu",
         "verify": verify,
@@ -101,6 +101,9 @@ def test_every_method_is_timed_inside_fit_on_the_device_the_run_trained_on(
     # What the GPU run's targets are judged with: measured on every device.
     asy = figures["ours-async"]
     assert asy["state_bytes"] > 0 and asy["peak_rss_extra"] >= 0
+    # Host memory counts the staging of the saves, allocated when the first was planned ahead
+    # (on CPU, the async snapshot's buffers: about the state's bytes).
+    assert asy["peak_rss_extra"] >= asy["state_bytes"] // 2, asy
     assert asy["fixed_costs"]["blocking_s"]["median"] > 0
     assert asy["fixed_costs"]["bytes"] < asy["bytes"] / 2
     assert figures["torch DCP async"]["first_blocking_s"] > 0

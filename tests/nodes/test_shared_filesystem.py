@@ -152,11 +152,15 @@ def test_a_node_lost_during_a_save_ends_the_others_in_time_and_costs_nothing_com
         assert not o.timed_out and o.exit_code == 0, o
         assert _names_the_lost_peer_or_the_timeout(o.error), o.error
         assert o.ended is not None and o.ended - killed_at < LOST_BOUND_S, (o, killed_at)
-        if o.ended - killed_at >= GROUP_TIMEOUT_S:
-            # It waited out the timeout: its error says so, and the roll call's note names the
-            # lost node.
-            assert TIMED_OUT.search(o.error or ""), o.error
-            assert f"node {lost}" in (o.error or ""), o.error
+    waited = [
+        o for o in survivors if o.ended is not None and o.ended - killed_at >= GROUP_TIMEOUT_S
+    ]
+    for o in waited:  # the roll call's note names the lost node
+        assert f"node {lost}" in (o.error or "") and "stopped answering" in (o.error or ""), o
+    if waited:
+        # The first survivor to reach the timeout says so; the others may see its connections
+        # closed instead (docs/nodes.md).
+        assert any(TIMED_OUT.search(o.error or "") for o in waited), waited
     root = Path(run, "ckpt")
     assert layout.read_tracker(root) == 2  # "last" is still the previous step
     assert [s.step for s in layout.complete_steps(root)] == [2]

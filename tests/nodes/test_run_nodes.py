@@ -299,12 +299,18 @@ class _SlowToStart:
         return (_first_to_unpickle_sleeps, (self.marker, self.seconds))
 
 
-def _every_node_group_exists(rank: int, world_size: int, _slow: None) -> list[int]:
+def _every_node_group_exists(rank: int, world_size: int, _slow: None, done: str) -> list[int]:
     """At the rank's start, signal 0 to every node's process group: what stop_node and
-    kill_node would signal. ``ProcessLookupError`` where a group does not exist yet."""
+    kill_node would signal. ``ProcessLookupError`` where a group does not exist yet. Then it
+    stays until every rank has signalled (a node whose ranks all ended has no group left: on a
+    loaded machine, one node's rank could end before the other's started)."""
     groups = _nodes._node_groups("test")
     for group in groups:
         os.killpg(group, 0)
+    Path(done, str(rank)).touch()
+    deadline = time.monotonic() + 60.0
+    while len(list(Path(done).iterdir())) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
     return groups
 
 
@@ -314,8 +320,10 @@ def test_every_node_leads_its_group_before_any_rank_starts(tmp_path: Path) -> No
     rank's start reaches the whole node (the groups were handed out before the slow launcher
     led its own: the signal found no such group)."""
     slow = _SlowToStart(tmp_path / "slow", 3.0)
+    done = tmp_path / "signalled"
+    done.mkdir()
     started = time.monotonic()
-    groups = run_nodes(_every_node_group_exists, 2, 1, slow, timeout=120)
+    groups = run_nodes(_every_node_group_exists, 2, 1, slow, str(done), timeout=120)
     assert (tmp_path / "slow").exists()  # a launcher did start late
     assert time.monotonic() - started >= 3.0
     assert groups[0] == groups[1] and len(set(groups[0])) == 2, groups

@@ -164,28 +164,39 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 # --- the longest files first ----------------------------------------------------------------
-# scripts/test.sh runs two files at a time (pytest-xdist, --dist loadfile), handing out files in
-# the order they are collected. Started last, the resume matrix alone kept one worker busy for
-# minutes while the other had nothing left: the longest files (measured, a few minutes each)
-# go first, the rest in their usual order. The order changes no test's outcome.
+# scripts/test.sh runs three files at a time (pytest-xdist, --dist loadfile), handing out files
+# in the order they are collected. A long file started last keeps one worker busy while the
+# others have nothing left: the longest files go first (longest-processing-time order), the rest
+# in their usual order. Measured as CI runs the 3.12 tier (its extended node cells included),
+# each file's tests' wall time summed, 2026-11-30: the silent-node file (346 s: each cell waits
+# out a 30 s process-group timeout) came last in collection order and was the run's tail; then
+# the resume matrix (155 s), S3 (96 s) and the rest below. The order changes no test's outcome.
 _LONGEST_FIRST = (
+    "tests/nodes/test_silent_node.py",
     "tests/resume/test_matrix.py",
+    "tests/storage/test_s3_checkpoints.py",
     "tests/nodes/test_shared_filesystem.py",
+    "tests/nodes/test_fast_tier.py",
+    "tests/resume/test_moe_matrix.py",
+    "tests/distributed/test_lightning_parity.py",
+    "tests/faults/test_failing_runs.py",
+    "tests/examples/test_check_resume_examples.py",
     "tests/nodes/test_store_without_shared_fs.py",
     "tests/crossversion/test_cross_version.py",
-    "tests/distributed/test_lightning_parity.py",
-    "tests/examples/test_check_resume_examples.py",
     "tests/export/test_hf_heads.py",
+    "tests/examples/test_examples.py",
+    "tests/faults/test_crash_and_errors.py",
+    "tests/resume/test_check_resume.py",
+    "tests/examples/test_benchmarks.py",
     "tests/faults/test_agreement_matrix.py",
     "tests/faults/test_preemption.py",
-    "tests/examples/test_examples.py",
-    "tests/nodes/test_node_count_resume.py",
-    "tests/nodes/test_fast_tier.py",
-    "tests/resume/test_check_resume.py",
-    "tests/faults/test_failing_runs.py",
-    "tests/faults/test_crash_and_errors.py",
-    "tests/examples/test_demo.py",
+    "tests/distributed/test_hf.py",
+    "tests/unit/test_roll_call.py",
     "tests/faults/test_power_loss.py",
+    "tests/nodes/test_run_nodes.py",
+    "tests/nodes/test_check_resume_wipe_node.py",
+    "tests/examples/test_demo.py",
+    "tests/nodes/test_node_count_resume.py",
 )
 
 

@@ -70,6 +70,13 @@ _MODULES = (
     "lightning_mcore_ckpt.callback",
     "lightning_mcore_ckpt.resume_check",
     "lightning_mcore_ckpt.tiny",
+    # Imported inside the functions that build a model, its optimizer and its first save: each
+    # rank would import them at its start.
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.mimo.model.base",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "lightning_mcore_ckpt.hf",
+    "lightning_mcore_ckpt.training.schedules",
 )
 
 CUDA_INITIALISED_BY: list[str] = []

@@ -169,8 +169,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 # others have nothing left: the longest files go first (longest-processing-time order), the rest
 # in their usual order. Measured as CI runs the 3.12 tier (its extended node cells included),
 # each file's tests' wall time summed, 2026-11-30: the silent-node file (346 s: each cell waits
-# out a 30 s process-group timeout) came last in collection order and was the run's tail; then
-# the resume matrix (155 s), S3 (96 s) and the rest below. The order changes no test's outcome.
+# out a 30 s process-group timeout) was handed out late in collection order, within the last
+# ~6 minutes of a 12:44 run; then the resume matrix (155 s), S3 (96 s) and the rest below. The
+# order changes no test's outcome.
 _LONGEST_FIRST = (
     "tests/nodes/test_silent_node.py",
     "tests/resume/test_matrix.py",

@@ -183,7 +183,7 @@ class CheckpointWriter:
         parts.mark("extra")
         kept: list[BaseException] = []  # rank 0's finalisation errors, shared after
         request, write_timer, sharding = self._plan_and_stage(
-            path, contents, state, async_save, kept, parts, extra
+            path, contents, state, async_save, kept, parts, extra if defer else None
         )
         timings = {"start": start, "extra_write_s": extra_write_s}
         base = self._record_base(checkpoint, path, contents, async_save, sharding, state)

@@ -132,7 +132,7 @@ def observe_async_save(
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from lightning_mcore_ckpt import MegatronCheckpoint, MegatronStrategy
-    from lightning_mcore_ckpt.engine import _shards
+    from lightning_mcore_ckpt.engine import _extra, _shards
     from lightning_mcore_ckpt.testing import gather_sharded
     from lightning_mcore_ckpt.tiny import TinyGPTModule, TokenDataset
 
@@ -148,6 +148,14 @@ def observe_async_save(
         stock_write(self, jobs, write_timer, *side)
 
     _shards.ShardWriter.write = held_write  # type: ignore[method-assign]
+    extra_writes: list[str] = []  # every extra/ file written (inline or in the background)
+    stock_extra = _extra.write_extra_file
+
+    def counted_extra(target: Path, data: bytes) -> None:
+        extra_writes.append(str(target))
+        stock_extra(target, data)
+
+    _extra.write_extra_file = counted_extra
 
     class Observe(pl.Callback):
         # Lightning runs checkpoint callbacks last: this sees each step before it is saved.
@@ -195,6 +203,7 @@ def observe_async_save(
     trainer.fit(TinyGPTModule(dropout=0.0), StatefulDataLoader(TokenDataset(16), batch_size=2))
     extra = Path(root, "ckpt", f"global_step_{SAVE_AT}", "extra", f"rank_{rank:05d}.pt")
     saved = torch.load(extra, weights_only=True)
+    seen["extra_writes"] = [t for t in extra_writes if f"global_step_{SAVE_AT}" in t]
     seen["extra_rng_is_the_snapshot"] = torch.equal(
         saved["rng"]["torch_cpu"], seen.pop("rng_at_save")
     )
@@ -213,6 +222,8 @@ def check_staging(out: dict[str, Any], accelerator: str, async_save: bool = True
     assert out["trained_on"] == device, out
     # extra/ holds the RNG as it was at the save, though the RNG moved on during the write.
     assert out["extra_rng_is_the_snapshot"], out
+    # Written once, sync or async (a sync save wrote it inline and again with the shards).
+    assert len(out["extra_writes"]) == 1, out
     if async_save:
         assert out["pending"], out  # the write was still in flight when the weights changed
         # Our writer's async save writes extra/ in the background, with the shards.

@@ -267,7 +267,7 @@ class CheckpointWriter:
                     write_timer,
                     async_save,
                     _compat.builtin_request_class(),
-                    None if extra is None else _write_extra_later(extra),
+                    None if extra is None else self._write_extra_later(extra),
                     ahead,
                 )
             else:
@@ -358,7 +358,7 @@ class CheckpointWriter:
                 extra = ExtraFile.of(path / EXTRA_DIR, checkpoint, state)
                 if write:
                     _extra.write_extra_file(extra.target, extra.data)
-                self._check_extra(extra)
+                    self._check_extra(extra)  # else after its background write
             except Exception as err:  # noqa: BLE001 - e.g. an unpicklable object: shared, raised
                 error = err
             extra_write_s = time.perf_counter() - extra_start
@@ -424,6 +424,17 @@ class CheckpointWriter:
             state.rank,
             state.device,
         )
+
+    def _write_extra_later(self, extra: ExtraFile) -> Callable[[], None]:
+        """The background write of ``extra`` (``_extra.write_extra_file`` looked up when it
+        runs), then the scan of its bytes for what a load refuses: a warning, never a failure,
+        so it need not block training."""
+
+        def write() -> None:
+            _extra.write_extra_file(extra.target, extra.data)
+            self._check_extra(extra)
+
+        return write
 
     def _check_extra(self, extra: ExtraFile) -> None:
         """Warn once when a load will refuse part of ``extra`` (its bytes scanned)."""
@@ -598,11 +609,6 @@ class CheckpointWriter:
             self._async_queue = None
         self.shards.close()
         _compat.forget_staged_tensors()
-
-
-def _write_extra_later(extra: ExtraFile) -> Callable[[], None]:
-    """The background write of ``extra`` (``_extra.write_extra_file`` looked up when it runs)."""
-    return lambda: _extra.write_extra_file(extra.target, extra.data)
 
 
 def _sharded_parts(

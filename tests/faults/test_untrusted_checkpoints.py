@@ -38,7 +38,8 @@ class TrainConfig:
 def _fit(world_size: int, tmp: str, ckpt_path: str | None = None, **options: Any) -> Any:
     """Train to ``STEPS`` saving every step on the way, or resume from ``ckpt_path``.
 
-    ``options``: ``module`` (the LightningModule), ``weights_only`` (passed to ``fit``).
+    ``options``: ``module`` (the LightningModule), ``weights_only`` (passed to ``fit``),
+    ``async_save`` (the strategy's ``ckpt_async_save``).
     """
     import lightning.pytorch as pl
     from _trainer import loader, make_trainer
@@ -53,7 +54,8 @@ def _fit(world_size: int, tmp: str, ckpt_path: str | None = None, **options: Any
 
     module = options.get("module") or TinyGPTModule(dropout=0.1)
     steps = 2 * STEPS if ckpt_path else STEPS
-    trainer = make_trainer(steps, MegatronStrategy(), world_size, callbacks=[Save()])
+    strategy = MegatronStrategy(ckpt_async_save=options.get("async_save", False))
+    trainer = make_trainer(steps, strategy, world_size, callbacks=[Save()])
     trainer.fit(
         module,
         train_dataloaders=loader(4 * STEPS * world_size, 2),
@@ -192,7 +194,7 @@ def test_a_crafted_object_in_the_optimizer_state_warns_at_save_and_is_refused(
     assert not result["ran"]
 
 
-def _user_type_in_hparams(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+def _user_type_in_hparams(rank: int, world_size: int, tmp: str, async_save: bool) -> dict[str, Any]:
     import torch
 
     from lightning_mcore_ckpt.safety.safe_load import UnsafeCheckpointError
@@ -206,7 +208,7 @@ def _user_type_in_hparams(rank: int, world_size: int, tmp: str) -> dict[str, Any
             self.save_hyperparameters()
 
     seen = _warnings()
-    _fit(world_size, tmp, module=Configured(TrainConfig()))
+    _fit(world_size, tmp, module=Configured(TrainConfig()), async_save=async_save)
     try:
         _fit(world_size, tmp, step, module=Configured(TrainConfig()))
         refused = ""
@@ -217,10 +219,13 @@ def _user_type_in_hparams(rank: int, world_size: int, tmp: str) -> dict[str, Any
     return {"warnings": seen, "refused": refused, "resumed_to": resumed.global_step}
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])  # async: extra/ checked after its write
 def test_a_user_type_in_hparams_warns_at_save_is_refused_with_the_fix_and_loads_once_allowed(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
-    (result,) = run_distributed(_user_type_in_hparams, 1, str(tmp_path), timeout=280)
+    (result,) = run_distributed(
+        _user_type_in_hparams, 1, str(tmp_path), mode == "async", timeout=280
+    )
     name = f"{TrainConfig.__module__}.TrainConfig"
     where = f"extra['lightning']['hyper_parameters']['config'] ({name})"
     warned = [w for w in result["warnings"] if where in w]

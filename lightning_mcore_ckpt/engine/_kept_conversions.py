@@ -31,22 +31,38 @@ _swap_lock = threading.Lock()
 
 
 def _signature(sh_ten: Any) -> tuple[Any, ...] | None:
-    """What a converted shard depends on, apart from its data (``None``: never kept)."""
+    """What a converted shard depends on, apart from its data (``None``: never kept).
+
+    Compared with ``==``, never hashed: the attributes as they are, no copies (every save
+    computes it for every shard). One built differently (a list for a tuple) only differs,
+    and is converted afresh."""
     data = sh_ten.data
     if not isinstance(data, torch.Tensor) or sh_ten.flattened_range is not None:
         return None
     return (
         sh_ten.key,
-        *(
-            tuple(getattr(sh_ten, name, None) or ())
-            for name in ("global_shape", "global_offset", "local_shape", "axis_fragmentations")
-        ),
+        sh_ten.global_shape,
+        sh_ten.global_offset,
+        sh_ten.local_shape,
+        sh_ten.axis_fragmentations,
         sh_ten.prepend_axis_num,
-        repr(sh_ten.replica_id),
+        sh_ten.replica_id,
         data.dtype,
         data.device,
-        tuple(data.shape),
+        data.shape,
     )
+
+
+def _shard(tensor: torch.Tensor, metadata: Any) -> Any:
+    """torch's ``Shard(tensor, metadata)`` without its checks of the tensor's size and
+    placement: ``tensor``'s signature matched the kept shard's (shape, dtype and device), whose
+    tensor passed them when it was converted."""
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    shard = Shard.__new__(Shard)
+    shard.tensor = tensor
+    shard.metadata = metadata
+    return shard
 
 
 @dataclass
@@ -124,7 +140,6 @@ class KeptConversions:
     def _reuse(kept: _Kept, shards: list[Any]) -> Any:
         """``kept``'s torch tensor holding ``shards``' data, or ``None`` where they differ."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from torch.distributed._shard.sharded_tensor import Shard
 
         if len(shards) != len(kept.signatures):
             return None
@@ -139,7 +154,7 @@ class KeptConversions:
             if not data.is_contiguous():
                 data = data.contiguous()
             sh_ten.data = data.view((1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape))
-            local.append(Shard(sh_ten.data, metadata))  # checks the size and the placement
+            local.append(_shard(sh_ten.data, metadata))
         kept.converted.local_shards()[:] = local
         return kept.converted
 

@@ -24,25 +24,57 @@ __all__ = ["SavePlans", "fingerprint"]
 def fingerprint(sharded_state_dict: dict[str, Any]) -> int:
     """The structure of a sharded state dict: what a save plan depends on (no data)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    parts = []
+    parts: list[tuple[Any, ...]] = []
+    append = parts.append
     for value in nested_values(sharded_state_dict):
-        data = getattr(value, "data", None)
-        parts.append(
-            (
-                type(value).__name__,
-                getattr(value, "key", None),
-                str(getattr(value, "dtype", "")),
-                tuple(getattr(value, "global_shape", None) or ()),
-                tuple(getattr(value, "global_offset", None) or ()),
-                tuple(getattr(value, "local_shape", None) or ()),
-                tuple(getattr(value, "axis_fragmentations", None) or ()),
-                repr(getattr(value, "replica_id", None)),
-                repr(getattr(value, "flattened_range", None)),
-                (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None,
-            )
-        )
-    return hash(tuple(parts))
+        kind = type(value)
+        if kind is ShardedTensor or kind is ShardedObject:
+            append(_sharded_part(value))
+        else:
+            append(_other_part(value))
+    try:
+        return hash(tuple(parts))
+    except TypeError:  # an attribute built unhashable (a list for a tuple): each made hashable
+        return hash(tuple(_other_part(v) for v in nested_values(sharded_state_dict)))
+
+
+def _sharded_part(value: Any) -> tuple[Any, ...]:
+    """A Megatron-Core sharded tensor's or object's part of :func:`fingerprint`: its
+    attributes as they are (tuples, ints, a dtype), no copies; every save walks every one."""
+    data = value.data
+    flattened = getattr(value, "flattened_range", None)
+    return (
+        type(value),
+        value.key,
+        getattr(value, "dtype", None),
+        value.global_shape,
+        value.global_offset,
+        getattr(value, "local_shape", None),
+        getattr(value, "axis_fragmentations", None),
+        value.replica_id,
+        None if flattened is None else (flattened.start, flattened.stop, flattened.step),
+        (data.shape, data.dtype) if isinstance(data, torch.Tensor) else None,
+    )
+
+
+def _other_part(value: Any) -> tuple[Any, ...]:
+    """Any other value's part of :func:`fingerprint` (a factory, a common-state value):
+    whatever of the same attributes it has, made hashable."""
+    data = getattr(value, "data", None)
+    return (
+        type(value).__name__,
+        getattr(value, "key", None),
+        str(getattr(value, "dtype", "")),
+        tuple(getattr(value, "global_shape", None) or ()),
+        tuple(getattr(value, "global_offset", None) or ()),
+        tuple(getattr(value, "local_shape", None) or ()),
+        tuple(getattr(value, "axis_fragmentations", None) or ()),
+        repr(getattr(value, "replica_id", None)),
+        repr(getattr(value, "flattened_range", None)),
+        (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None,
+    )
 
 
 class SavePlans:

@@ -216,10 +216,10 @@ def sharded_state_dict(
     for index, group in enumerate(state["param_groups"]):
         for pid in group["params"]:
             for key, value in state["state"].get(pid, {}).items():
+                if key in scalars[index]:
+                    continue  # the group's first parameter gave it (a tensor's .item() once)
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    scalars[index].setdefault(
-                        key, value.item() if isinstance(value, torch.Tensor) else value
-                    )
+                    scalars[index][key] = value.item() if isinstance(value, torch.Tensor) else value
     stateful = {id_map[pid].key for pid in state["state"] if pid in id_map}
     names = {
         key

@@ -3,7 +3,7 @@ writes and reads them, and the rank-local view of a training run the engine work
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,31 +219,44 @@ def stateless_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[i
     ]
 
 
-def pickled_values(sharded_state_dict: Any, path: str) -> Iterator[tuple[str, Any]]:
+def pickled_values(sharded_state_dict: Any, path: str) -> list[tuple[str, Any]]:
     """The values of a sharded state dict that Megatron-Core pickles, with where they sit.
 
     Each ``ShardedObject``'s data and every value outside the sharded ones (the common state);
-    not tensors, nor plain numbers and strings (which any load accepts).
+    not tensors, nor plain numbers and strings (which any load accepts). Every save walks the
+    whole dict: a child that is a sharded tensor, a tensor or plain data is passed over without
+    building its path.
     """
     from megatron.core.dist_checkpointing.mapping import (
         LocalNonpersistentObject,
         ShardedBase,
         ShardedObject,
+        ShardedTensor,
     )
 
-    value = sharded_state_dict
-    if isinstance(value, ShardedObject):
-        yield from pickled_values(value.data, path)
-    elif isinstance(value, ShardedBase | LocalNonpersistentObject):
-        return
-    elif type(value) is dict:
-        for key, child in value.items():
-            yield from pickled_values(child, f"{path}[{key!r}]")
-    elif type(value) in (list, tuple):
-        for index, child in enumerate(value):
-            yield from pickled_values(child, f"{path}[{index}]")
-    elif value is not None and not isinstance(value, bool | int | float | str | torch.Tensor):
-        yield path, value
+    passed = (bool, int, float, str, torch.Tensor, ShardedTensor, type(None))
+    found: list[tuple[str, Any]] = []
+    stack: list[tuple[Any, str]] = [(sharded_state_dict, path)]
+    while stack:
+        value, where = stack.pop()
+        kind = type(value)
+        if kind is dict:
+            children = [
+                (c, f"{where}[{k!r}]") for k, c in value.items() if not isinstance(c, passed)
+            ]
+        elif kind is list or kind is tuple:
+            children = [
+                (c, f"{where}[{i}]") for i, c in enumerate(value) if not isinstance(c, passed)
+            ]
+        elif isinstance(value, ShardedObject):
+            children = [(value.data, where)]
+        elif isinstance(value, ShardedBase | LocalNonpersistentObject) or isinstance(value, passed):
+            continue
+        else:
+            found.append((where, value))
+            continue
+        stack.extend(reversed(children))  # depth first, in the dict's order
+    return found
 
 
 def refused_objects(sharded_state_dict: Any, name: str) -> dict[str, list[str]]:

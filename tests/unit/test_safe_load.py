@@ -186,6 +186,32 @@ def test_the_save_warning_names_where_refused_objects_sit(tmp_path: Path) -> Non
     assert _safe_load.refused_in_extra(rank_file, {"rng": payload["rng"]}) == {}
 
 
+def test_the_objects_megatron_core_pickles_are_found_where_they_sit_in_a_sharded_dict() -> None:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from lightning_mcore_ckpt.engine._state_dicts import pickled_values, refused_objects
+
+    weight = torch.zeros(4, 4)
+    config = TrainConfig()
+    ssd = {
+        "w": ShardedTensor.from_rank_offsets("w", weight),
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "config": config, "name": "a", "x": None}],
+        "o": ShardedObject("o", {"inner": [1, config]}, (1,), (0,)),
+        "plain": {"step": 3, "t": torch.ones(2), "flag": True},
+    }
+    found = list(pickled_values(ssd, "optim"))
+    assert [where for where, _ in found] == [
+        "optim['groups'][0]['config']",
+        "optim['o']['inner'][1]",
+    ]
+    assert [value for _, value in found] == [config, config]
+    assert list(pickled_values({"w": ssd["w"], "plain": ssd["plain"]}, "model")) == []
+    assert refused_objects(ssd, "optim") == {
+        "optim['groups'][0]['config']": [f"{__name__}.TrainConfig"],
+        "optim['o']['inner'][1]": [f"{__name__}.TrainConfig"],
+    }
+
+
 def test_the_rng_state_needs_nothing_beyond_torchs_allowlist_and_round_trips(
     tmp_path: Path,
 ) -> None:

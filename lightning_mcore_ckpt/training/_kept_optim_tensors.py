@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -97,7 +98,7 @@ class KeptOptimizerTensors:
             torch.nn.Parameter,
         ):
             return stock(model_param, optim_param, prefix)
-        made_from = (prefix, *(getattr(model_param, name) for name in _made_from_fields()))
+        made_from = (prefix, _made_from_fields()(model_param))
         kept = self._kept.get(id(optim_param))
         if (
             kept is not None
@@ -126,11 +127,13 @@ class KeptOptimizerTensors:
 
 
 @functools.cache
-def _made_from_fields() -> tuple[str, ...]:
-    """Every field of Megatron-Core's ``ShardedTensor`` but its data."""
+def _made_from_fields() -> Callable[[Any], tuple[Any, ...]]:
+    """A getter of every field of Megatron-Core's ``ShardedTensor`` but its data, as a tuple
+    (``operator.attrgetter``: every save reads them for every state tensor)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    return tuple(f.name for f in dataclasses.fields(ShardedTensor) if f.name != "data")
+    names = [f.name for f in dataclasses.fields(ShardedTensor) if f.name != "data"]
+    return operator.attrgetter(*names)
 
 
 _by_optimizer: weakref.WeakKeyDictionary[Any, KeptOptimizerTensors] = weakref.WeakKeyDictionary()

@@ -54,6 +54,7 @@ from lightning_mcore_ckpt.engine._state_dicts import (
     optimizers_to_save,
     refused_objects,
 )
+from lightning_mcore_ckpt.engine._worker_watch import WriterProcessEnded, finish_writes
 from lightning_mcore_ckpt.format import integrity, retention
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
@@ -541,11 +542,22 @@ class CheckpointWriter:
         start = time.perf_counter()
 
         try:
-            finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+            if blocking and self.writer != _compat.THREADS and distributed():
+                # Bounded by the writer processes: NVRx's own wait never looks at its worker.
+                finalized = finish_writes(self._async_queue, dist.get_rank(), pending.device)
+            else:
+                finalized = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
         # CheckpointException is a BaseException; either is re-raised as CheckpointSaveError.
         except (Exception, CheckpointException) as err:  # noqa: BLE001
             # Every rank raised (Megatron-Core shares the failure); rank 0's names the cause.
             self._pending = None
+            if (
+                isinstance(err, WriterProcessEnded | OtherRankFailed)
+                and self.writer != _compat.THREADS
+            ):
+                # The next save starts a fresh worker; this one's writes are given up.
+                self._async_queue.close(abort=True)
+                self._async_queue = None
             headline = f"async checkpoint save to {pending.path} failed in the background write"
             failure = CheckpointSaveError(f"{headline}: {err}")
             if distributed():

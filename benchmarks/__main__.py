@@ -274,6 +274,7 @@ def run(args: argparse.Namespace, results: Results) -> None:
                 "device": device,
                 "verify": device == "cpu",
                 "progress": str(results.progress(size, world)),
+                "stacks_after_s": args.stacks_after,
             }
             figures = _attempt(
                 results,
@@ -611,6 +612,14 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="where the model trains (cuda: one process per GPU; adds the D2H bandwidth)",
     )
+    parser.add_argument(
+        "--stacks-after",
+        type=float,
+        default=None,
+        help="seconds after which a fit of ours that has not returned prints every thread's "
+        "stack to stderr, and again each time as long (default: 120 on cuda, never on cpu; 0: "
+        "never)",
+    )
     from benchmarks import s3
 
     s3.add_arguments(parser)
@@ -637,6 +646,10 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes = "256M,1G"
     if args.procs is None:
         args.procs = "1" if args.device == "cuda" else "1,2"
+    if args.stacks_after is None:
+        args.stacks_after = 120.0 if args.device == "cuda" else 0.0
+    if args.stacks_after < 0 or args.stacks_after != args.stacks_after:
+        parser.error(f"--stacks-after {args.stacks_after}: pass seconds >= 0 (0: never)")
     if args.only_s3:
         return s3.run(args)
     if args.only_hf_export:

@@ -9,6 +9,8 @@ taken inside ``fit`` (``in_fit``).
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -18,7 +20,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -485,7 +487,8 @@ def _our_fit(
         cfg.get("device", "cpu"),
         writer,
     )
-    trainer.fit(module, train_dataloaders=_loader())
+    with _stacks_if_stalled(cfg.get("stacks_after_s")):
+        trainer.fit(module, train_dataloaders=_loader())
     out: dict[str, Any] = {}
     if rank == 0:
         metas = [markers.read_metadata(s.path) or {} for s in layout.complete_steps(dirpath)]
@@ -509,6 +512,21 @@ def _our_fit(
         if apart is not None:  # the wait before each save but the first (none before it)
             out["wait_for_previous_s"] = _summary(apart.waits[1:] or apart.waits)
     return out
+
+
+@contextlib.contextmanager
+def _stacks_if_stalled(seconds: float | None) -> Iterator[None]:
+    """Meanwhile, every ``seconds`` (none: never), the stack of each of this rank's threads
+    goes to its stderr: a row that does not return says where it waits (a GPU's device time is
+    too short to come back and look)."""
+    if not seconds:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, repeat=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _parts_median(metas: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -53,13 +53,11 @@ def _signature(sh_ten: Any) -> tuple[Any, ...] | None:
     )
 
 
-def _shard(tensor: torch.Tensor, metadata: Any) -> Any:
-    """torch's ``Shard(tensor, metadata)`` without its checks of the tensor's size and
-    placement: ``tensor``'s signature matched the kept shard's (shape, dtype and device), whose
-    tensor passed them when it was converted."""
-    from torch.distributed._shard.sharded_tensor import Shard
-
-    shard = Shard.__new__(Shard)
+def _shard(shard_class: Any, tensor: torch.Tensor, metadata: Any) -> Any:
+    """torch's ``Shard(tensor, metadata)`` (``shard_class``) without its checks of the tensor's
+    size and placement: ``tensor``'s signature matched the kept shard's (shape, dtype and
+    device), whose tensor passed them when it was converted."""
+    shard = shard_class.__new__(shard_class)
     shard.tensor = tensor
     shard.metadata = metadata
     return shard
@@ -140,6 +138,7 @@ class KeptConversions:
     def _reuse(kept: _Kept, shards: list[Any]) -> Any:
         """``kept``'s torch tensor holding ``shards``' data, or ``None`` where they differ."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from torch.distributed._shard.sharded_tensor import Shard
 
         if len(shards) != len(kept.signatures):
             return None
@@ -154,7 +153,7 @@ class KeptConversions:
             if not data.is_contiguous():
                 data = data.contiguous()
             sh_ten.data = data.view((1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape))
-            local.append(_shard(sh_ten.data, metadata))
+            local.append(_shard(Shard, sh_ten.data, metadata))
         kept.converted.local_shards()[:] = local
         return kept.converted
 

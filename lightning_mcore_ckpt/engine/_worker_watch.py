@@ -11,6 +11,12 @@ together, the failure naming the rank, the process and its exit code; otherwise 
 blocking wait finalises the save (the worker has reported: it returns once the other ranks'
 have). One collective more per blocking wait, the same at every save.
 
+Closing the queue at teardown has the same hole: NVRx's close tells the worker to stop, then
+waits for it to take that word (a queue ``join``) and to end, without a bound, and a worker that
+died never takes it. :func:`close_writer` gives a live worker :data:`CLOSE_BOUND_S` to end once
+told, and stops one that has not ended by then, or had ended already, as NVRx's abort does
+(SIGTERM, then SIGKILL), with a warning naming the process.
+
 Megatron-Core's built-in writer forks a process per save and reports one that died itself: its
 wait is the queue's own. So is any queue whose worker this module cannot see (another NVRx
 version): the wait is then what it was.
@@ -18,6 +24,7 @@ version): the wait is then what it was.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -26,11 +33,17 @@ import torch
 from lightning_mcore_ckpt.engine._collectives import first_failure
 from lightning_mcore_ckpt.engine._shards import OtherRankFailed
 
-__all__ = ["WriterProcessEnded", "ended_worker", "finish_writes"]
+__all__ = ["WriterProcessEnded", "close_writer", "ended_worker", "finish_writes"]
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.02
 """Seconds between two looks at this rank's worker (no collective; NVRx's own wait looks
 every 0.1 s)."""
+
+CLOSE_BOUND_S = 60.0
+"""Seconds a persistent worker with nothing pending has to end once told to stop (it frees its
+cache and exits: well under a second on an H200)."""
 
 
 class WriterProcessEnded(RuntimeError):
@@ -87,3 +100,44 @@ def finish_writes(queue: Any, rank: int, device: torch.device) -> list[int]:
         raise OtherRankFailed(f"rank {failed_rank}: {why}")
     finalized: list[int] = queue.maybe_finalize_async_calls(blocking=True)
     return finalized
+
+
+def close_writer(queue: Any, bound_s: float = CLOSE_BOUND_S) -> None:
+    """Local: ``queue.close()``, bounded by its persistent worker (see the module docstring).
+
+    With nothing pending, a live worker is told to stop and has ``bound_s`` to end; one that
+    ended as told leaves NVRx's close nothing to wait for. One that had ended already, did not
+    end in time or ended with an error is stopped by NVRx's abort, and a warning names it. A
+    queue with saves pending, or without a worker this module can see, closes as it would.
+    """
+    caller: Any = getattr(queue, "persistent_caller", None)
+    process = getattr(caller, "process", None)
+    if (
+        not getattr(queue, "persistent", False)
+        or process is None
+        or not hasattr(caller, "queue")
+        or queue.get_num_unfinalized_calls()
+    ):
+        queue.close()
+        return
+    alive = process.is_alive()
+    if alive:
+        caller.queue.put("DONE")  # NVRx's word to its worker to stop
+        process.join(bound_s)
+    if process.exitcode == 0:
+        caller.process = None  # ended as told: nothing left for NVRx's close to wait on
+        queue.close()
+        return
+    if process.exitcode is None:
+        why = f"did not end within {bound_s:g} s of being told to stop"
+    elif alive:
+        why = f"ended with exit code {process.exitcode} when told to stop"
+    else:
+        why = f"had ended with exit code {process.exitcode} before the writer was closed"
+    log.warning(
+        "the background checkpoint writer process (pid %s) %s: stopping it (every save it "
+        "held was finalised before)",
+        process.pid,
+        why,
+    )
+    queue.close(abort=True)

@@ -54,7 +54,11 @@ from lightning_mcore_ckpt.engine._state_dicts import (
     optimizers_to_save,
     refused_objects,
 )
-from lightning_mcore_ckpt.engine._worker_watch import WriterProcessEnded, finish_writes
+from lightning_mcore_ckpt.engine._worker_watch import (
+    WriterProcessEnded,
+    close_writer,
+    finish_writes,
+)
 from lightning_mcore_ckpt.format import integrity, retention
 from lightning_mcore_ckpt.format.layout import EXTRA_DIR, MODEL_DIR, OPTIM_DIR
 from lightning_mcore_ckpt.safety import safe_load as _safe_load
@@ -617,7 +621,10 @@ class CheckpointWriter:
         if self._pending is not None and distributed():
             self.finalize(blocking=True)
         if self._async_queue is not None:
-            self._async_queue.close()
+            if self.writer == _compat.THREADS:
+                self._async_queue.close()
+            else:  # bounded by NVRx's worker, whose own close waits on it for ever
+                close_writer(self._async_queue)
             self._async_queue = None
         self.shards.close()
         _compat.forget_staged_tensors()

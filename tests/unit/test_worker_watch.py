@@ -1,16 +1,20 @@
-"""The blocking wait for writes in a worker process ends when the worker has ended.
+"""The blocking wait for writes in a worker process ends when the worker has ended, and so
+does closing the writer.
 
 Pure logic against a stand-in for NVRx's ``AsyncCallsQueue`` and its persistent caller (the
-members the wait reads); the worker is a real process and its completion queue a real
-``multiprocessing`` queue. NVRx's own worker is killed in the GPU tier
+members the wait and the close read; the close as NVRx's: told to stop, the worker is waited
+on without a bound); the worker is a real process and its queues real ``multiprocessing``
+queues. NVRx's own worker is killed in the GPU tier
 (``tests/gpu/test_nvrx_writer.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +23,7 @@ import torch
 from lightning_mcore_ckpt.engine import _worker_watch
 from lightning_mcore_ckpt.engine._worker_watch import (
     WriterProcessEnded,
+    close_writer,
     ended_worker,
     finish_writes,
 )
@@ -119,3 +124,94 @@ def test_the_wait_goes_on_while_the_worker_lives_and_finalises_once_it_reported(
     finally:
         gate.set()
         process.join(30)
+
+
+# --- closing the writer --------------------------------------------------------------------
+
+
+def _stops_when_told(requests: Any) -> None:
+    assert requests.get() == "DONE"
+    requests.task_done()
+    os._exit(0)
+
+
+def _never_takes_the_word(requests: Any) -> None:
+    time.sleep(60)
+
+
+class _ClosingCaller(_Caller):
+    def __init__(self, process: Any, requests: Any) -> None:
+        super().__init__(process, CONTEXT.Queue())
+        self.queue = requests
+
+
+class _ClosingQueue(_Queue):
+    """NVRx's close: with ``abort``, SIGTERM and a join; without, the word to stop, then a
+    ``join`` of its requests and of the worker, neither bounded."""
+
+    def __init__(self, target: Any, *args: Any, pending: bool = False) -> None:
+        requests = CONTEXT.JoinableQueue()
+        if target is _exit_with:
+            process = _ended(target, *args)
+        else:
+            process = CONTEXT.Process(target=target, args=(requests,))
+            process.start()
+        self.persistent = True
+        self.persistent_caller = _ClosingCaller(process, requests)
+        self.pending = [0] if pending else []
+        self.blocking_waits = 0
+        self.process = process
+        self.closed: list[tuple[bool, bool]] = []  # (abort, the caller still had its worker)
+
+    def close(self, abort: bool = False) -> None:
+        caller = self.persistent_caller
+        self.closed.append((abort, caller.process is not None))
+        if caller.process is not None:
+            if abort:
+                caller.process.terminate()
+            else:
+                caller.queue.put("DONE")
+                caller.queue.join()
+            caller.process.join()
+            caller.process = None
+
+
+def test_a_worker_that_ends_when_told_is_closed_as_nvrx_closes_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = _ClosingQueue(_stops_when_told)
+    with caplog.at_level(logging.WARNING):
+        close_writer(queue, bound_s=30)
+    assert queue.closed == [(False, False)]  # told once, by us: nothing left to wait on
+    assert queue.process.exitcode == 0
+    assert not caplog.records
+
+
+def test_a_worker_that_does_not_end_when_told_is_stopped_after_the_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = _ClosingQueue(_never_takes_the_word)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        close_writer(queue, bound_s=0.5)
+    assert time.monotonic() - start < 20  # NVRx's own close would wait here for ever
+    assert queue.closed == [(True, True)]
+    assert queue.process.exitcode is not None and not queue.process.is_alive()
+    assert f"(pid {queue.process.pid}) did not end within 0.5 s" in caplog.text
+
+
+def test_a_worker_that_had_died_is_stopped_not_waited_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = _ClosingQueue(_exit_with, 5)
+    with caplog.at_level(logging.WARNING):
+        close_writer(queue, bound_s=30)
+    assert queue.closed == [(True, True)]
+    assert "had ended with exit code 5 before the writer was closed" in caplog.text
+
+
+def test_a_queue_with_a_save_pending_closes_as_it_would() -> None:
+    queue = _ClosingQueue(_stops_when_told, pending=True)
+    close_writer(queue, bound_s=30)
+    assert queue.closed == [(False, True)]  # NVRx's own close finalises and stops it
+    assert queue.process.exitcode == 0

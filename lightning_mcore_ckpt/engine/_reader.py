@@ -310,11 +310,11 @@ class CheckpointReader:
             if not dist_opt.optimizer.state:
                 _optim.init_state(dist_opt.optimizer)
         metadata = self._optimizer_format(directory, state, trusted)
-        loaded = self._sharded_load(
-            optimizer_sharded_state_dict(state.optimizers, state.module, model_ssd, True, metadata),
-            directory,
-            trusted,
+        # The torch optimizers' state was made from the saved keys just above: no agreement.
+        template = optimizer_sharded_state_dict(
+            state.optimizers, state.module, model_ssd, True, metadata, load_template=True
         )
+        loaded = self._sharded_load(template, directory, trusted)
         saved_groups = loaded.pop(_param_groups.RECORD_KEY, None)
         if metadata["distrib_optim_sharding_type"] == "fully_reshardable":
             self._regroup(loaded, saved_groups, state)

@@ -155,12 +155,16 @@ def optimizer_sharded_state_dict(
     model_ssd: dict[str, Any],
     is_loading: bool = False,
     metadata: dict[str, Any] | None = None,
+    *,
+    load_template: bool = False,
 ) -> dict[str, Any]:
     """The optimizers' state mapped onto ``model_ssd`` (``optimizer_<i>`` each).
 
     Parameters of ``module`` that no optimizer holds (frozen ones) are saved with the first
     torch optimizer, so that a later run that trains them finds their slots. Megatron-Core
     optimizers build theirs with ``metadata`` (:func:`megatron_optimizer_metadata`).
+    ``load_template``: the torch optimizers' state was made from the step's saved keys, for
+    the load this template is for (see ``training.optim.sharded_state_dict``).
     """
     from megatron.core.optimizer import MegatronOptimizer
 
@@ -175,7 +179,7 @@ def optimizer_sharded_state_dict(
             )
         else:
             out[f"optimizer_{idx}"] = _optim.sharded_state_dict(
-                opt, model_ssd, outside if idx == 0 else ()
+                opt, model_ssd, outside if idx == 0 else (), load_template=load_template
             )
     return out
 

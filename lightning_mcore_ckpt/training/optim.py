@@ -194,12 +194,21 @@ def sharded_state_dict(
     optimizer: torch.optim.Optimizer,
     model_sharded_state_dict: Mapping[str, Any],
     outside: Sequence[torch.nn.Parameter] = (),
+    *,
+    load_template: bool = False,
 ) -> dict[str, Any]:
     """The optimizer's state as a Megatron-Core sharded state dict matching the model's sharding.
 
     ``outside``: the model's parameters that no optimizer holds (frozen ones left out of
     ``configure_optimizers``); they contribute zero slices where they share a stacked tensor
     with parameters that have state (see :func:`_fill_partial_keys`).
+
+    ``load_template``: the template of a load whose state :func:`init_state` made from the
+    step's saved keys. Nothing is agreed over the ranks then (no collective, so a rank whose
+    weights were read first goes on to its optimizer's reads while another still reads): each
+    rank's state already holds every parameter whose state the step saved, what the agreement
+    would give it; the scalar values go to the groups, which a load takes from the step; and
+    the slices of ``outside`` parameters, which a load discards, are not asked for.
     """
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -227,12 +236,13 @@ def sharded_state_dict(
         for key, value in param_state.items()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     }
-    scalars, stateful, names = _agree(scalars, stateful, names)
+    if not load_template:
+        scalars, stateful, names = _agree(scalars, stateful, names)
     for group, found in zip(state["param_groups"], scalars, strict=True):
         for key, value in found.items():
             group[_SCALAR_PREFIX + key] = value
     _fill_partial_keys(state, id_map, params, stateful, names)
-    if outside:
+    if outside and not load_template:
         others = get_param_id_to_sharded_param_map(model_sharded_state_dict, list(outside))
         for i, sharded in others.items():
             if sharded.key in stateful:

@@ -13,8 +13,10 @@ layers and one of 6 (three times the tensors) and loads each in both layouts. In
 every rank asserts that its load's collectives were the same calls for both models, in which
 every rank other than 0 received the same bytes (rank 0 is where megatron-core 0.16's torch
 DCP load gathers the ranks' load plans: its receipts grow with the ranks, not the others'),
-and that each load resumed at the saved step; and that each load unpickled each of the step's
-two indexes once (``safe_dcp.indexes_kept``; they were unpickled 9 times between them).
+and that each load resumed at the saved step; that each load unpickled each of the step's
+two indexes once (``safe_dcp.indexes_kept``; they were unpickled 9 times between them); and that
+a torch optimizer's template agreed nothing over the ranks (its state is made from the step's
+saved keys; the agreement made a rank that had read its weights wait for the slowest).
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def _load(rank: int, world_size: int, tmp: str, optimizer: str) -> dict[str, Any
         return load_index(f, where)
 
     safe_dcp._load_index = counted
+    from lightning_mcore_ckpt.training import optim
+
+    agreements = []
+    agree = optim._agree
+
+    def agreed(*args: Any) -> Any:
+        if on["load"]:
+            agreements.append(1)
+        return agree(*args)
+
+    optim._agree = agreed
     out: dict[tuple[str, int], Any] = {}
     for layers in (2, 6):
         step = str(Path(tmp, f"layers{layers}"))
@@ -92,6 +105,7 @@ def _load(rank: int, world_size: int, tmp: str, optimizer: str) -> dict[str, Any
             strategy.load_checkpoint = load_checkpoint
             calls.clear()
             indexes.clear()
+            agreements.clear()
             trainer = make_trainer(1, strategy, world_size)
             trainer.fit(
                 _module(optimizer, layers),
@@ -102,6 +116,7 @@ def _load(rank: int, world_size: int, tmp: str, optimizer: str) -> dict[str, Any
             out[layout, layers] = {
                 "calls": list(calls),
                 "indexes": sorted(indexes),
+                "agreements": len(agreements),
                 "step": trainer.global_step,
                 "kinds": kinds,
             }
@@ -124,6 +139,9 @@ def test_a_loads_collectives_do_not_grow_with_the_number_of_tensors(
             # optimizer's layout and keys), Megatron-Core and torch DCP.
             for got in (small, large):
                 assert got["indexes"] == ["model/.metadata", "optim/.metadata"], (where, got)
+                # A torch optimizer's template waits for no other rank: its state was made
+                # from the step's saved keys (a rank done with its weights reads on).
+                assert got["agreements"] == 0, (where, got)
             if rank == 0:  # megatron-core 0.16's DCP load gathers the ranks' plans on rank 0
                 names = [n for n, _ in small["calls"]], [n for n, _ in large["calls"]]
                 assert names[0] == names[1], where

@@ -365,7 +365,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
 
     ``ours vs X``: X's seconds over ours in the same round (above 1: ours is faster). ``of the
     read limit``: the faster of the two reads of that round, scaled to the bytes our load reads,
-    over our load's seconds."""
+    over our load's seconds; ``of reading our files whole``: that read alone, the same way."""
     seconds = result["seconds"]
     rounds = len(seconds["ours"])
     out: dict[str, Any] = {
@@ -390,6 +390,16 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             limits.append(min(candidates) / seconds["ours"][i])
     if limits:
         ratios["ours of the read limit"] = limits
+    if seconds.get("read: our files") and size.get("read: our files"):
+        # The same files read whole: what separates our load from them is the load's own work,
+        # not how the disk serves these files against one file per rank.
+        ratios["ours of reading our files whole"] = [
+            seconds["read: our files"][i]
+            * size["ours"]
+            / size["read: our files"]
+            / seconds["ours"][i]
+            for i in range(rounds)
+        ]
     out["ratios"] = {k: statistics.median(v) for k, v in ratios.items()}
     out["ratio_rounds"] = ratios
     phases = result.get("phases") or []

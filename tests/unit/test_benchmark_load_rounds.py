@@ -47,6 +47,8 @@ def test_ratios_are_taken_within_each_round_then_their_median() -> None:
     assert summary["ratios"]["ours vs raw dist_checkpointing"] == pytest.approx(1.0)
     # The faster read of each round, scaled to our bytes: 0.9 s and 1.0 s for 1000 bytes.
     assert summary["ratios"]["ours of the read limit"] == pytest.approx(0.9)
+    # Our files alone (the torch.save file is the faster here): 0.9 s for our 1000 bytes.
+    assert summary["ratios"]["ours of reading our files whole"] == pytest.approx(0.9)
     assert summary["median_s"]["ours"] == 1.0
     assert summary["phases"]["shard reads (in both)"] == pytest.approx(0.4)
 
@@ -88,3 +90,19 @@ def test_every_method_leads_a_round_and_the_order_alternates() -> None:
     # Who follows whom reverses from one round to the next.
     assert orders[0][1] == names[1]
     assert orders[1][1] == names[0]
+
+
+def test_reading_our_files_whole_is_scaled_to_the_bytes_our_load_reads() -> None:
+    # Our load reads 1000 bytes; the whole-file read read 2000 (another rank's extra/ too) in
+    # 1.6 s: 0.8 s for ours, against a load of 1.0 s. The torch.save file, faster, does not
+    # enter this ratio.
+    seconds = {
+        "ours": [1.0, 2.0],
+        "read: our files": [1.6, 3.2],
+        "read: torch.save file": [0.1, 0.2],
+    }
+    result = _result(seconds)
+    result["bytes"]["read: our files"] = 2000
+    summary = load_rounds.summarise(result)
+    assert summary["ratios"]["ours of reading our files whole"] == pytest.approx(0.8)
+    assert summary["ratios"]["ours of the read limit"] == pytest.approx(0.2)  # 0.2 s for 1000

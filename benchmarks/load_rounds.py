@@ -199,6 +199,14 @@ def _our_files(step: Path, rank: int) -> list[Path]:
     return sorted(shards + extra)
 
 
+def _no_optimizer_state(methods: Any) -> None:
+    """Empty the live optimizers' state before a load into them, outside its timing: a
+    resumed run's fresh process has none when it loads (the load creates it), and freeing the
+    state the round before loaded (a few hundred MiB of pages) is no part of a load."""
+    for inner in torch_optimizers_in(methods.optimizer):
+        inner.state.clear()
+
+
 def read_files(paths: list[Path], threads: int) -> int:
     """Read ``paths`` whole, ``threads`` files at once (8 MiB reads); the bytes read."""
 
@@ -306,10 +314,17 @@ def rounds(methods: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     names = tuple(cfg.get("methods", METHODS))
     seconds: dict[str, list[float]] = {name: [] for name in names}
     orders = []
+    held_before = []  # the live optimizers' state entries when our load started: none
     for i in range(cfg["rounds"]):
         order = order_of(names, i)
         orders.append(order)
         for name in order:
+            if name.startswith("ours") or name == "raw dist_checkpointing":
+                _no_optimizer_state(methods)  # into the live optimizer, as a resume loads
+            if name.startswith("ours"):
+                held_before.append(
+                    sum(len(o.state) for o in torch_optimizers_in(methods.optimizer))
+                )
             drop_cache(root)
             gc.collect()
             _trim()
@@ -323,6 +338,7 @@ def rounds(methods: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         "orders": orders,
         "seconds": seconds,
         "phases": phases,
+        "optimizer_state_before_ours": held_before,
         "threads": threads,
         "bytes": {
             "ours": sum(p.stat().st_size for p in mine),

@@ -51,6 +51,9 @@ def _check_run(result: dict[str, Any]) -> None:
     # Our load was timed through the library's and Megatron-Core's functions, each round: the
     # weights' and the optimizer's loads, the parts inside them, the shard reads.
     assert len(result["phases"]) == 2
+    # Each of our loads went into an optimizer without state, as a resumed process's: the load
+    # created it (a state left by the round before would be reused memory, no page faults).
+    assert result["optimizer_state_before_ours"] == [0, 0]
     for phases in result["phases"]:
         for name in (
             "weights, in all",

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_mcore_ckpt import _compat, _cpu
 from lightning_mcore_ckpt.engine import _param_groups, _rank_state
 from lightning_mcore_ckpt.engine._collectives import broadcast, first_failure
@@ -84,6 +86,9 @@ class CheckpointReader:
         self._checked_extra: dict[Path, Any] = {}
         """The ``extra/`` file :meth:`check_extra` checked by loading it, by path: the load's
         later reads of it (:meth:`_saved_stateless`, :meth:`load_extra`) take it from here."""
+        self._unloaded: list[torch.optim.Optimizer] = []
+        """The torch optimizers whose state this load created uninitialised, for the load to
+        overwrite whole: emptied again if the load fails (see :meth:`one_load`)."""
 
     def resolve(
         self, checkpoint_path: Any, rank: int, reading: tuple[str, ...] | None = None
@@ -303,12 +308,12 @@ class CheckpointReader:
                     with views_readable(checked=not trusted):  # its index, as the load's
                         saved_keys = _optim.saved_state_keys(directory)
                 # State for exactly the parameters that had it when saved (not frozen ones).
-                _optim.init_state(opt, model_ssd, saved_keys)
+                self._create_state(opt, model_ssd, saved_keys)
         for dist_opt in distributed_optimizers(state.optimizers):
-            # Megatron reads the state's step count before loading into it: create the state
-            # with a zero-learning-rate step (no main parameter moves).
+            # Megatron reads the state's step count before loading into it, and then copies
+            # every element of each moment: its state as a step makes it, not zeroed.
             if not dist_opt.optimizer.state:
-                _optim.init_state(dist_opt.optimizer)
+                self._create_state(dist_opt.optimizer)
         metadata = self._optimizer_format(directory, state, trusted)
         # The torch optimizers' state was made from the saved keys just above: no agreement.
         template = optimizer_sharded_state_dict(
@@ -320,6 +325,7 @@ class CheckpointReader:
             self._regroup(loaded, saved_groups, state)
         stateless = self._saved_stateless(directory.parent / EXTRA_DIR, state, trusted)
         _rank_state.apply_optimizer_state(state, loaded, stateless)
+        self._unloaded = []  # every state this load created is loaded
 
     def _sharded_load(
         self, sharded_state_dict: dict[str, Any], directory: Path, trusted: bool
@@ -458,8 +464,8 @@ class CheckpointReader:
         )
 
         for dist_opt in distributed_optimizers(state.optimizers):
-            if not dist_opt.optimizer.state:
-                _optim.init_state(dist_opt.optimizer)
+            if not dist_opt.optimizer.state:  # the load copies every element of its state
+                self._create_state(dist_opt.optimizer)
         metadata = self._optimizer_format(directory, state, trusted)
         template = optimizer_sharded_state_dict(
             state.optimizers, state.module, state.model_sharded_state_dict(), True, metadata
@@ -555,12 +561,30 @@ class CheckpointReader:
     def one_load(self) -> Iterator[None]:
         """Meanwhile, one load: each ``extra/`` file its checks loaded (:meth:`check_extra`)
         and each index they read (``safe_dcp.indexes_kept``) is unpickled once, for this load
-        only: dropped when it ends, whichever way it ends."""
+        only: dropped when it ends, whichever way it ends. An optimizer whose state the load
+        created uninitialised and did not finish loading has none again: what a step of
+        training would create, never memory no load wrote."""
         try:
             with _safe_dcp.indexes_kept():
                 yield
+        except BaseException:
+            for optimizer in self._unloaded:
+                optimizer.state.clear()
+            raise
         finally:
+            self._unloaded = []
             self.forget_checked()
+
+    def _create_state(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model_ssd: Mapping[str, Any] | None = None,
+        saved_keys: set[str] | None = None,
+    ) -> None:
+        """``optimizer``'s state for this load to overwrite whole: uninitialised (torch Adam and
+        AdamW; see ``training.optim.init_state``), emptied again if the load fails."""
+        _optim.init_state(optimizer, model_ssd, saved_keys, overwritten=True)
+        self._unloaded.append(optimizer)
 
     def forget_checked(self) -> None:
         """Drop what :meth:`check_extra` kept for the load that called it (at the load's end,

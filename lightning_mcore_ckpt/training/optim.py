@@ -147,6 +147,8 @@ def init_state(
     optimizer: torch.optim.Optimizer,
     model_sharded_state_dict: Mapping[str, Any] | None = None,
     saved_keys: Collection[str] | None = None,
+    *,
+    overwritten: bool | None = None,
 ) -> None:
     """Create the per-parameter state a checkpoint holds, without changing any parameter.
 
@@ -156,6 +158,11 @@ def init_state(
     parameters whose state was saved: frozen parameters, and trainable ones that never received
     a gradient, have none, and a template asking for theirs would fail the load. Without it,
     every parameter of the optimizer gets state. Any state the optimizer had is replaced.
+
+    ``overwritten``: every state tensor made is about to be loaded whole (the default with
+    ``saved_keys``; a Megatron-Core distributed optimizer's load copies every element of each
+    moment), so torch Adam's and AdamW's are left uninitialised: no memset, their pages first
+    touched by the load's reads. A caller whose load then fails empties the state again.
     """
     if saved_keys is None:
         params = _params(optimizer)
@@ -178,7 +185,9 @@ def init_state(
             p.grad = (torch.zeros_like(p) if zero is None else zero) if id(p) in stepped else None
         # With saved_keys, every state tensor made here is in the checkpoint: the load
         # overwrites it whole. Without, some may stay as made: zeros, as a step makes them.
-        if not _init_adam_state(optimizer, overwritten=saved_keys is not None):
+        if overwritten is None:
+            overwritten = saved_keys is not None
+        if not _init_adam_state(optimizer, overwritten=overwritten):
             for group in optimizer.param_groups:
                 lr = group["lr"]
                 group["lr"] = 0.0 if not isinstance(lr, torch.Tensor) else lr * 0

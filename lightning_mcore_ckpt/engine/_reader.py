@@ -562,16 +562,14 @@ class CheckpointReader:
         """Meanwhile, one load: each ``extra/`` file its checks loaded (:meth:`check_extra`)
         and each index they read (``safe_dcp.indexes_kept``) is unpickled once, for this load
         only: dropped when it ends, whichever way it ends. An optimizer whose state the load
-        created uninitialised and did not finish loading has none again: what a step of
-        training would create, never memory no load wrote."""
+        created uninitialised and did not load (the load failed) has none again: what a step
+        of training would create, never memory no load wrote."""
         try:
             with _safe_dcp.indexes_kept():
                 yield
-        except BaseException:
+        finally:
             for optimizer in self._unloaded:
                 optimizer.state.clear()
-            raise
-        finally:
             self._unloaded = []
             self.forget_checked()
 

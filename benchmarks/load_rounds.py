@@ -44,7 +44,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from benchmarks.workloads import drop_cache, torch_optimizers_in
+from benchmarks.workloads import drop_cache, hand_back_freed_memory, torch_optimizers_in
 
 MiB = 1 << 20
 METHODS = (
@@ -177,18 +177,6 @@ def order_of(names: tuple[str, ...], i: int) -> list[str]:
         return list(names[k:] + names[:k])
     k = (i + 1) % len(names)
     return list(names[k:] + names[:k])[::-1]
-
-
-def _trim() -> None:
-    """Hand the memory freed by the method before back to the kernel (glibc's ``malloc_trim``),
-    so that what the next one allocates is fresh, as in a process that just started: a resume
-    allocates the optimizer's state in pages it never touched."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if sys.platform.startswith("linux") and name:
-        ctypes.CDLL(name).malloc_trim(0)
 
 
 def _our_files(step: Path, rank: int) -> list[Path]:
@@ -327,7 +315,7 @@ def rounds(methods: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 )
             drop_cache(root)
             gc.collect()
-            _trim()
+            hand_back_freed_memory()  # what the method allocates is fresh
             dist.barrier()
             start = time.perf_counter()
             run(name)

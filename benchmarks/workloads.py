@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -50,9 +51,23 @@ def pinned_host_bytes() -> int:
     return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
 
 
+def hand_back_freed_memory() -> None:
+    """Hand the memory this process freed back to the kernel (glibc's ``malloc_trim``), so that
+    what it allocates next is fresh, as in a process that just started (a resume allocates the
+    optimizer's state in pages it never touched), and shows in its resident set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if sys.platform.startswith("linux") and name:
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 class PeakRSS:
     """Peak host memory of this process (resident set plus pinned memory, see
-    :func:`pinned_host_bytes`) above its level when started (sampled)."""
+    :func:`pinned_host_bytes`) above its level when started (sampled). Memory the process
+    freed before and reuses inside is resident already and does not show: on a GPU the staging
+    is pinned and counted whole; on a CPU a small state's staging can land in freed pages."""
 
     def __init__(self, interval: float = 0.005) -> None:
         import psutil
@@ -363,6 +378,9 @@ def _probe_class() -> Any:
             self.device_peaks: list[int] = []
             self.state_bytes = 0
             self.rss: PeakRSS | None = None
+            self.rss_from: str | None = None
+            """Where the host-memory probe started: ``"plan ahead"`` (before the first save's
+            staging is allocated) or ``"first save"`` (no save planned ahead)."""
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             strategy = trainer.strategy
@@ -371,7 +389,7 @@ def _probe_class() -> Any:
 
             def probed_plan(*args: Any, **kwargs: Any) -> bool:
                 if self.rss is None:
-                    self.rss = PeakRSS().__enter__()
+                    self.rss, self.rss_from = PeakRSS().__enter__(), "plan ahead"
                 return bool(plan(*args, **kwargs))
 
             def probed_save(checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
@@ -379,7 +397,7 @@ def _probe_class() -> Any:
                     save(checkpoint, filepath, storage_options)
                     return
                 if self.rss is None:
-                    self.rss = PeakRSS().__enter__()
+                    self.rss, self.rss_from = PeakRSS().__enter__(), "first save"
                 with DevicePeak(strategy.root_device, synchronize=False) as peak:
                     save(checkpoint, filepath, storage_options)
                 if peak.peak is not None:
@@ -407,6 +425,7 @@ def _probe_class() -> Any:
                 "in_fit": self.in_fit == {True},
                 "state_bytes": self.state_bytes,
                 "peak_rss_extra": self.rss.extra if self.rss is not None else 0,
+                "rss_from": self.rss_from,
                 "device_peak_bytes": max(self.device_peaks) if self.device_peaks else None,
             }
 

@@ -184,7 +184,8 @@ def init_state(
             zero = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p) if adam else None
             p.grad = (torch.zeros_like(p) if zero is None else zero) if id(p) in stepped else None
         # With saved_keys, every state tensor made here is in the checkpoint: the load
-        # overwrites it whole. Without, some may stay as made: zeros, as a step makes them.
+        # overwrites it whole. Without, some may stay as made (zeros, as a step makes them),
+        # unless the caller says the load overwrites it all (a distributed optimizer's).
         if overwritten is None:
             overwritten = saved_keys is not None
         if not _init_adam_state(optimizer, overwritten=overwritten):

@@ -38,8 +38,18 @@ from lightning_mcore_ckpt.training import optim as _optim
 
 __all__ = ["RANK_STATE_VERSION", "StagingCache", "load", "read", "stage", "state_name", "write"]
 
-RANK_STATE_VERSION = 1
-"""The format of a rank's state file; a reader refuses a newer one."""
+RANK_STATE_VERSION = 2
+"""The format of a rank's state file; a reader refuses a newer one. 2: a distributed optimizer's
+state held as :data:`SHARDING` says, and named in the file (1: as the run's persistent tier
+saved it)."""
+
+SHARDING = "dp_reshardable"
+"""How a rank's file holds a distributed optimizer's state: this rank's own shard of each
+buffer, as the optimizer holds it (Megatron-Core's ``dp_reshardable``). Its save gathers
+nothing and its load exchanges nothing, and each rank's file holds what that rank loads. A
+fully reshardable state would be gathered over the data-parallel ranks at every save, and a
+load of it asks every rank for the whole of it: all of that for a reshard the fast tier never
+does (it resumes the layout that saved it)."""
 
 
 def state_name(rank: int) -> str:
@@ -126,8 +136,9 @@ def _host_copy(value: Any) -> Any:
 
 def stage(state: TrainingState, cache: StagingCache) -> dict[str, Any]:
     """This rank's model and optimizer state, copied to host memory: the payload to write.
-    Collective where Megatron-Core's optimizers gather their state for a save."""
-    metadata = megatron_optimizer_metadata(state.optimizer_sharding)
+    Called on every rank together: a torch optimizer's state keys are agreed over the ranks,
+    as for the persistent tier."""
+    metadata = megatron_optimizer_metadata(SHARDING)
     optimizers = optimizer_sharded_state_dict(
         state.optimizers, state.module, state.model_sharded_state_dict(), False, metadata
     )
@@ -135,6 +146,7 @@ def stage(state: TrainingState, cache: StagingCache) -> dict[str, Any]:
         "version": RANK_STATE_VERSION,
         "rank": state.rank,
         "parallel_layout": state.parallel_layout,
+        "optimizer_sharding": SHARDING,
         "model": _part(state.model_sharded_state_dict(), "model", cache),
         "optimizers": _part(optimizers, "optimizers", cache),
     }
@@ -298,7 +310,10 @@ def load(payload: dict[str, Any], state: TrainingState, stateless: list[list[int
     for dist_opt in distributed_optimizers(state.optimizers):
         if not dist_opt.optimizer.state:
             _optim.init_state(dist_opt.optimizer)
-    metadata = megatron_optimizer_metadata(state.optimizer_sharding)
+    # A file of format 1 holds it as the run's persistent tier saved it.
+    metadata = megatron_optimizer_metadata(
+        payload.get("optimizer_sharding", state.optimizer_sharding)
+    )
     template = optimizer_sharded_state_dict(
         state.optimizers, state.module, model_ssd, True, metadata
     )

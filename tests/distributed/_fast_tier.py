@@ -1,6 +1,13 @@
-"""The fast tier on one node, one rank: a run saves fast steps only, a second resumes the newest
-exactly. Shared by the GPU test (``tests/gpu/test_fast_tier_gpu.py``: staged into pinned
-memory) and its CPU twin (``tests/distributed/test_fast_tier_one_node.py``)."""
+"""The fast tier on one node: a run saves fast steps only, a second resumes the newest exactly.
+Shared by the GPU test (``tests/gpu/test_fast_tier_gpu.py``: staged into pinned memory) and its
+CPU twins (``tests/distributed/test_fast_tier_one_node.py``: one rank, and 2 ranks across the
+optimizers and precisions).
+
+``optimizer``: ``TinyGPTModule``'s (``"adamw"``, ``"distributed"``: Megatron-Core's
+distributed optimizer, its persistent tier ``dp_reshardable``), ``"distributed_full"`` (the same,
+its persistent tier ``fully_reshardable``) or ``"moe"`` (a mixture of experts at EP=2 on 2
+ranks: a chained distributed optimizer of a dense and an expert one). ``precision``: Lightning's,
+or ``"megatron-bf16"`` (bf16 weights in ``Float16Module`` with fp32 main parameters)."""
 
 from __future__ import annotations
 
@@ -13,6 +20,24 @@ from lightning_mcore_ckpt.testing import run_distributed
 
 FAST = 3
 END = 6
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2}
+
+
+def _module_and_strategy(optimizer: str, precision: str, world_size: int) -> tuple[Any, Any]:
+    from lightning_mcore_ckpt import MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    options: dict[str, Any] = {}
+    if optimizer == "distributed_full":
+        options["ckpt_optimizer_sharding"] = "fully_reshardable"
+    if optimizer == "moe":
+        options["expert_model_parallel_size"] = world_size
+    module = TinyGPTModule(
+        optimizer="distributed" if optimizer in ("distributed_full", "moe") else optimizer,
+        megatron_bf16=precision == "megatron-bf16",
+        transformer_config=MOE if optimizer == "moe" else None,
+    )
+    return module, MegatronStrategy(**options)
 
 
 def _job(
@@ -27,10 +52,9 @@ def _job(
     import lightning.pytorch as pl
     from _trainer import gathered_optimizer, gathered_weights, loader, record_losses
 
-    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, MegatronStrategy
-    from lightning_mcore_ckpt.tiny import TinyGPTModule
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint
 
-    module = TinyGPTModule(optimizer=optimizer)
+    module, strategy = _module_and_strategy(optimizer, precision, world_size)
     losses = record_losses(module)
     seen: dict[str, Any] = {"pinned": []}
     checkpoint = MegatronCheckpoint(
@@ -52,10 +76,10 @@ def _job(
                 )
 
     trainer = pl.Trainer(
-        strategy=MegatronStrategy(),
+        strategy=strategy,
         accelerator=accelerator,
-        devices=1,
-        precision=precision,
+        devices=world_size,
+        precision="32" if precision == "megatron-bf16" else precision,
         max_steps=END,
         callbacks=[checkpoint, Watch()],
         logger=False,
@@ -71,16 +95,22 @@ def _job(
     }
 
 
-def resumes_exactly(tmp: Path, optimizer: str, precision: str, accelerator: str) -> None:
-    """The check, on ``accelerator`` (its CPU twin runs it with ``"cpu"``)."""
-    first = run_distributed(_job, 1, str(tmp), optimizer, precision, accelerator, None)[0]
-    again = run_distributed(_job, 1, str(tmp), optimizer, precision, accelerator, "last")[0]
+def resumes_exactly(
+    tmp: Path, optimizer: str, precision: str, accelerator: str, world_size: int = 1
+) -> None:
+    """The check, on ``accelerator`` (its CPU twins run it with ``"cpu"``), on ``world_size``
+    ranks of one node: every rank resumed the newest fast step and continued with its losses,
+    and the weights and optimizer state (gathered) are the uninterrupted run's, bit for bit."""
+    args = (str(tmp), optimizer, precision, accelerator)
+    firsts = run_distributed(_job, world_size, *args, None)
+    agains = run_distributed(_job, world_size, *args, "last")
     newest = (END - 1) // FAST * FAST
-    assert again["resumed"] == newest
-    assert again["losses"] == {k: v for k, v in first["losses"].items() if k >= newest}
-    for name in ("weights", "optim"):
-        assert again[name].keys() == first[name].keys()
-        for key, tensor in again[name].items():
-            assert torch.equal(tensor, first[name][key]), (name, key)
-    if accelerator == "gpu":
-        assert first["pinned"] and all(first["pinned"]), first["pinned"]
+    for rank, (first, again) in enumerate(zip(firsts, agains, strict=True)):
+        assert again["resumed"] == newest, rank
+        assert again["losses"] == {k: v for k, v in first["losses"].items() if k >= newest}, rank
+        for name in ("weights", "optim"):
+            assert again[name].keys() == first[name].keys(), (rank, name)
+            for key, tensor in again[name].items():
+                assert torch.equal(tensor, first[name][key]), (rank, name, key)
+        if accelerator == "gpu":
+            assert first["pinned"] and all(first["pinned"]), first["pinned"]

@@ -2,7 +2,11 @@
 
 - With ``replicas=0`` it keeps the node's own copy: the CPU twin of the GPU test resumes the
   newest fast step exactly, with Megatron-Core's distributed optimizer (the multi-node tests
-  use torch's AdamW).
+  use torch's AdamW). On 2 ranks it does so across the optimizer (torch AdamW; the distributed
+  optimizer, its persistent tier ``dp_reshardable`` and ``fully_reshardable``; a mixture of
+  experts at EP=2, a chained distributed optimizer) x the precision (fp32; Megatron's bf16,
+  fp32 main parameters: not with AdamW, which Megatron's bf16 does not drive): every value of
+  each, every valid pair.
 - With ``replicas=1`` there is no other node to hold a copy: refused at setup on every rank,
   naming the argument, the value and the fix, before anything is written.
 - A ``dir`` that differs per rank (here, the rank in the path) would make each rank a node of
@@ -30,6 +34,23 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_the_node_own_copy_resumes_exactly(tmp_path: Path) -> None:
     resumes_exactly(tmp_path, "distributed", "32", "cpu")
+
+
+OPTIMIZERS = ("adamw", "distributed", "distributed_full", "moe")
+PRECISIONS = ("32", "megatron-bf16")
+CELLS = [
+    (optimizer, precision)
+    for optimizer in OPTIMIZERS
+    for precision in PRECISIONS
+    if not (optimizer == "adamw" and precision == "megatron-bf16")
+]
+
+
+@pytest.mark.parametrize(("optimizer", "precision"), CELLS)
+def test_two_ranks_resume_their_own_copies_exactly(
+    tmp_path: Path, optimizer: str, precision: str
+) -> None:
+    resumes_exactly(tmp_path, optimizer, precision, "cpu", world_size=2)
 
 
 def _refused(rank: int, world_size: int, tmp: str, fast: str = "fast") -> dict[str, Any]:

@@ -19,7 +19,7 @@ copied to host memory by :func:`stage` (the only part an async save blocks on) a
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any, cast
 
 import torch
@@ -55,6 +55,11 @@ does (it resumes the layout that saved it)."""
 def state_name(rank: int) -> str:
     """The name of ``rank``'s state file in a fast-tier step directory."""
     return f"state_{rank:05d}.pt"
+
+
+CreateState = Callable[[torch.optim.Optimizer, Mapping[str, Any] | None, set[str] | None], None]
+"""Makes an optimizer's state for a load to overwrite whole: ``(optimizer, the model's sharded
+state dict, the saved state keys)``, the last two ``None`` for a distributed optimizer's."""
 
 
 class StagingCache:
@@ -288,10 +293,21 @@ def _copy_bytes(target: torch.Tensor, saved: torch.Tensor) -> bool:
     return True
 
 
-def load(payload: dict[str, Any], state: TrainingState, stateless: list[list[int]] | None) -> None:
+def load(
+    payload: dict[str, Any],
+    state: TrainingState,
+    stateless: list[list[int]] | None,
+    create_state: CreateState | None = None,
+) -> None:
     """Load a rank's state into ``state``'s model and optimizers (local: no collective). The
     layout must be the one that saved it; ``stateless``: the saving rank's record of the
-    parameters that had no optimizer state (``extra/``)."""
+    parameters that had no optimizer state (``extra/``).
+
+    The optimizers' state is made for the load to overwrite whole, as the persistent tier's
+    load makes it (uninitialised where it can be; for a torch optimizer, for exactly the
+    parameters whose state the file holds): by ``create_state`` (the reader's, which empties it
+    again if the load fails), else by ``training.optim.init_state``. Its template agrees
+    nothing over the ranks: each rank's file holds what the agreement gave it at save."""
     from megatron.core.optimizer import MegatronOptimizer
 
     if payload.get("parallel_layout") != state.parallel_layout:
@@ -300,25 +316,36 @@ def load(payload: dict[str, Any], state: TrainingState, stateless: list[list[int
             f"{payload.get('parallel_layout')}, not this run's {state.parallel_layout}: a "
             "fast-tier step resumes only the layout that saved it"
         )
+    create = create_state or _overwritten_state
     model = _restore(state.model_sharded_state_dict(), payload["model"], state.device)
     state.module.load_state_dict(to_module_keys(state.module, model), strict=state.strict)
     model_ssd = state.model_sharded_state_dict()
     saved_keys = set(payload["optimizers"]["keys"])
     for opt in state.optimizers:
         if not isinstance(opt, MegatronOptimizer):
-            _optim.init_state(opt, model_ssd, saved_keys)
+            create(opt, model_ssd, saved_keys)
     for dist_opt in distributed_optimizers(state.optimizers):
+        # Megatron reads the state's step count before loading into it, and then copies every
+        # element of each moment: its state as a step makes it, not zeroed.
         if not dist_opt.optimizer.state:
-            _optim.init_state(dist_opt.optimizer)
+            create(dist_opt.optimizer, None, None)
     # A file of format 1 holds it as the run's persistent tier saved it.
     metadata = megatron_optimizer_metadata(
         payload.get("optimizer_sharding", state.optimizer_sharding)
     )
     template = optimizer_sharded_state_dict(
-        state.optimizers, state.module, model_ssd, True, metadata
+        state.optimizers, state.module, model_ssd, True, metadata, load_template=True
     )
     loaded = _restore(template, payload["optimizers"], state.device)
     apply_optimizer_state(state, loaded, stateless)
+
+
+def _overwritten_state(
+    optimizer: torch.optim.Optimizer,
+    model_ssd: Mapping[str, Any] | None,
+    saved_keys: set[str] | None,
+) -> None:
+    _optim.init_state(optimizer, model_ssd, saved_keys, overwritten=True)
 
 
 def apply_optimizer_state(

@@ -387,7 +387,8 @@ class CheckpointReader:
         path = step / _rank_state.state_name(state.rank)
         payload = _rank_state.read(path, trusted=trusted, data=held.get(path))
         stateless = self._saved_stateless(step / EXTRA_DIR, state, trusted, held)
-        _rank_state.load(payload, state, stateless)
+        _rank_state.load(payload, state, stateless, self._create_state)
+        self._unloaded = []  # every state this load created is loaded
 
     @staticmethod
     def _optimizer_format(

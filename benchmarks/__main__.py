@@ -604,7 +604,9 @@ def main(argv: list[str] | None = None) -> int:
         "--optimizers",
         default=None,
         help="--only-loads: the optimizers the state is trained with (adamw: torch AdamW; "
-        "distributed: Megatron-Core's distributed optimizer over Megatron DDP; default both)",
+        "distributed: Megatron-Core's distributed optimizer over Megatron DDP; "
+        "distributed-bf16: the same over bf16 weights with fp32 main parameters, as "
+        "Megatron-LM trains; default all three)",
     )
     parser.add_argument(
         "--device",

@@ -44,6 +44,7 @@ from benchmarks.workloads import (
     drop_cache,
     failed,
     in_fit,
+    main_parameters,
     nbytes,
     state_tensors,
     torch_optimizers_in,
@@ -293,7 +294,9 @@ class _Methods:
 
     def plain(self) -> dict[str, torch.Tensor]:
         """Plain DCP's state, the live tensors: per-rank keys (each rank holds different
-        tensor-parallel shards under the same names)."""
+        tensor-parallel shards under the same names); the optimizers' main parameters where
+        they are copies of the weights (``workloads.main_parameters``), as our step holds
+        them."""
         state = {
             **{f"r{self.rank}.{k}": v for k, v in self.module.state_dict().items()},
             **{
@@ -304,6 +307,12 @@ class _Methods:
                     for state in inner.state.values()
                 )
                 for k, v in s.items()
+            },
+            **{
+                f"r{self.rank}.main.{i}": p
+                for i, p in enumerate(
+                    main_parameters(self.module, self.strategy._torch_optimizers())
+                )
             },
         }
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -44,7 +44,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from benchmarks.workloads import drop_cache, hand_back_freed_memory, torch_optimizers_in
+from benchmarks.workloads import (
+    drop_cache,
+    hand_back_freed_memory,
+    main_parameters,
+    torch_optimizers_in,
+)
 
 MiB = 1 << 20
 METHODS = (
@@ -154,10 +159,15 @@ def _saved(methods: Any) -> dict[str, Path]:
 def _torch_save_state(methods: Any) -> dict[str, Any]:
     """What Lightning's default ``torch.save`` holds of the rank's state: the module's state
     dict and the optimizer's. A Megatron-Core optimizer's own ``state_dict()`` leaves its Adam
-    moments to its sharded state dict: the torch optimizers inside it hold them."""
+    moments and its main parameters to its sharded state dict: the torch optimizers inside it
+    hold the moments, and its main parameters are added where they are copies of the weights
+    (bf16 weights' fp32 main parameters; ``workloads.main_parameters``), as our step holds
+    them."""
+    optimizers = [methods.optimizer]
     return {
         "state_dict": methods.module.state_dict(),
         "optimizer_states": [o.state_dict() for o in torch_optimizers_in(methods.optimizer)],
+        "main_parameters": main_parameters(methods.module, optimizers),
     }
 
 
@@ -360,6 +370,7 @@ TARGET_OF_LIMIT = 0.8
 OPTIMIZER_NAMES = {
     "adamw": "torch AdamW",
     "distributed": "Megatron-Core's distributed optimizer",
+    "distributed-bf16": "Megatron-Core's distributed optimizer, bf16 weights",
 }
 """``--optimizers``: the optimizer the state is trained with (``TinyGPTModule``'s names)."""
 
@@ -481,7 +492,7 @@ def run(args: Any) -> int:
         if problem:
             print(f"python -m benchmarks --only-loads --device cuda: {problem}", file=sys.stderr)
             return 2
-    optimizers = (args.optimizers or "adamw,distributed").split(",")
+    optimizers = (args.optimizers or ",".join(OPTIMIZER_NAMES)).split(",")
     unknown = [o for o in optimizers if o not in OPTIMIZER_NAMES]
     if unknown:
         print(

@@ -195,16 +195,37 @@ def torch_optimizers_in(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [o.optimizer for o in chained]
 
 
+def main_parameters(module: Any, optimizers: Iterable[Any]) -> list[torch.Tensor]:
+    """The optimizers' own copies of the parameters (a Megatron-Core optimizer's fp32 main
+    parameters of bf16 weights): the parameters its torch optimizers step that share no memory
+    with ``module``'s state dict. A checkpoint holds them beside the weights; fp32 weights'
+    main parameters are the weights themselves (views of them) and are not listed."""
+    weights = {
+        t.untyped_storage().data_ptr()
+        for t in module.state_dict().values()
+        if isinstance(t, torch.Tensor)
+    }
+    return [
+        p
+        for optimizer in optimizers
+        for inner in torch_optimizers_in(optimizer)
+        for group in inner.param_groups
+        for p in group["params"]
+        if p.untyped_storage().data_ptr() not in weights
+    ]
+
+
 def state_tensors(module: Any, optimizers: Iterable[Any]) -> list[torch.Tensor]:
-    """The tensors of a rank's training state: the module's state dict and the optimizers'
-    state (what a checkpoint of the rank holds; a distributed optimizer's main parameters of
-    fp32 weights are views of the weights)."""
+    """The tensors of a rank's training state: the module's state dict, the optimizers' state
+    and their main parameters where they are copies (what a checkpoint of the rank holds; see
+    :func:`main_parameters`)."""
+    optimizers = list(optimizers)
     tensors = [t for t in module.state_dict().values() if isinstance(t, torch.Tensor)]
     for optimizer in optimizers:
         for inner in torch_optimizers_in(optimizer):
             for state in inner.state.values():
                 tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    return tensors
+    return tensors + main_parameters(module, optimizers)
 
 
 def placement(tensors: Iterable[Any]) -> dict[str, int]:
@@ -290,30 +311,28 @@ def failed() -> dict[str, Any]:
 
 def _module(size: str, hidden: int | None = None, optimizer: str = "adamw") -> Any:
     """The benchmark's GPT of ``size`` (``hidden``: another width, same layers), trained with
-    ``optimizer`` (``TinyGPTModule``'s: torch AdamW, or Megatron-Core's distributed optimizer
-    over Megatron DDP with ``"distributed"``)."""
-    from lightning_mcore_ckpt.tiny import TinyGPTModule, megatron_ddp, tiny_gpt
+    ``optimizer``: ``TinyGPTModule``'s (torch AdamW, or Megatron-Core's distributed optimizer
+    over Megatron DDP with ``"distributed"``), or ``"distributed-bf16"``: the distributed
+    optimizer over bf16 weights with fp32 main parameters, as Megatron-LM trains."""
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
 
     width, layers = SIZES[size]
     width = hidden or width
 
     class Sized(TinyGPTModule):  # type: ignore[misc]
-        def configure_model(self) -> None:
-            if self.gpt is None:
-                self.gpt = tiny_gpt(
-                    hidden_size=width,
-                    ffn_hidden_size=4 * width,
-                    num_attention_heads=max(2, width // 64),  # divisible by TP=2
-                    num_layers=layers,
-                    hidden_dropout=0.0,
-                    attention_dropout=0.0,
-                )
-                if self.optimizer_name != "adamw":
-                    self.gpt = megatron_ddp(
-                        self.gpt, distributed_optimizer=self.optimizer_name == "distributed"
-                    )
+        def _language_model(self, **config: Any) -> Any:
+            return super()._language_model(
+                **{
+                    **config,
+                    "hidden_size": width,
+                    "ffn_hidden_size": 4 * width,
+                    "num_attention_heads": max(2, width // 64),  # divisible by TP=2
+                    "num_layers": layers,
+                }
+            )
 
-    return Sized(dropout=0.0, optimizer=optimizer)
+    bf16 = optimizer == "distributed-bf16"
+    return Sized(dropout=0.0, optimizer="distributed" if bf16 else optimizer, megatron_bf16=bf16)
 
 
 def _trainer(

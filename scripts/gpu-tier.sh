@@ -8,7 +8,8 @@
 #   gpu-tier.log/.xml tests/gpu (one GPU: the one-GPU cells run side by side)
 #   bench/            python -m benchmarks --device cuda (JSON and Markdown after each size),
 #                     then its cold loads in alternating rounds (--only-loads, 1G; torch
-#                     AdamW, then Megatron-Core's distributed optimizer: each written as it ends)
+#                     AdamW, then Megatron-Core's distributed optimizer over bf16 weights, then
+#                     over fp32 weights: each written as it ends)
 # `scripts/gpu-tier.sh tests`, `... bench` or `... loads` runs one part only. TEST_TIMEOUT,
 # BENCH_TIMEOUT and LOADS_TIMEOUT (seconds) bound each part; BENCH_ARGS replaces the
 # benchmark's arguments (default: --sizes 1G,4G); TEST_WORKERS sets the tier's pytest-xdist
@@ -45,8 +46,9 @@ timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --device cuda ${BENCH_ARGS
 tail -n 60 "$OUT/bench.log"
 fi
 if [ "$part" = all ] || [ "$part" = loads ]; then
-timeout "${LOADS_TIMEOUT:-240}" python3 -m benchmarks --only-loads --device cuda --sizes 1G \
-  --procs 1 --repeats 2 --dir /tmp/lmc-bench --out "$OUT/bench" >"$OUT/loads.log" 2>&1 || status=1
+timeout "${LOADS_TIMEOUT:-300}" python3 -m benchmarks --only-loads --device cuda --sizes 1G \
+  --procs 1 --repeats 2 --optimizers adamw,distributed-bf16,distributed \
+  --dir /tmp/lmc-bench --out "$OUT/bench" >"$OUT/loads.log" 2>&1 || status=1
 tail -n 40 "$OUT/loads.log"
 fi
 exit "$status"

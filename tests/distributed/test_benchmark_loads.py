@@ -1,7 +1,9 @@
 """The cold-load rounds (``python -m benchmarks --only-loads``) run end to end on a tiny state,
-trained with torch AdamW and with Megatron-Core's distributed optimizer: every method in every
-round, our load's phases timed from the library's own functions, ``torch.load``'s file holding
-the optimizer's moments, and the tables with their targets written."""
+trained with torch AdamW and with Megatron-Core's distributed optimizer over fp32 and over bf16
+weights: every method in every round, our load's phases timed from the library's own functions,
+``torch.load``'s file and plain DCP's step holding the optimizer's moments and, over bf16
+weights, its fp32 main parameters (our step holds them), and the tables with their targets
+written."""
 
 from __future__ import annotations
 
@@ -31,17 +33,24 @@ def test_every_method_loads_in_every_round_with_our_phases(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = out.glob("*-loads.json")
     runs = json.loads(found.read_text())["runs"]
-    assert [run["optimizer"] for run in runs] == ["adamw", "distributed"]
-    adamw, distributed = (run["result"]["optimizer_class"] for run in runs)
+    assert [run["optimizer"] for run in runs] == ["adamw", "distributed", "distributed-bf16"]
+    adamw, *distributed = (run["result"]["optimizer_class"] for run in runs)
     assert adamw == "AdamW"
-    assert distributed in ("DistributedOptimizer", "ChainedOptimizer(DistributedOptimizer)")
+    for name in distributed:
+        assert name in ("DistributedOptimizer", "ChainedOptimizer(DistributedOptimizer)")
     table = found.with_suffix(".md").read_text()
     for run in runs:
         _check_run(run["result"])
+        if run["optimizer"] != "distributed":
+            # The same state, the same bytes: over bf16 weights the baselines hold the fp32
+            # main parameters our step holds (fp32 weights' main parameters are the weights,
+            # which our step holds twice, in model/ and optim/, as Megatron-Core's format does).
+            sizes = run["result"]["bytes"]
+            assert sizes["ours"] <= 1.1 * sizes["read: torch.save file"], (run["optimizer"], sizes)
         name = load_rounds.OPTIMIZER_NAMES[run["optimizer"]]
         assert f"1 process(es), {name}: 2 rounds" in table
     for target in ("cold load >= torch.load", "cold load >= 0.8 x parallel read limit"):
-        assert table.count(target) == 2
+        assert table.count(target) == 3
     assert not (tmp_path / "scratch" / "loads").exists()
 
 

@@ -10,7 +10,12 @@ import torch
 from lightning_mcore_ckpt.strategy.config import StrategyConfig
 from lightning_mcore_ckpt.strategy.grads import megatron_modules
 
-__all__ = ["check_model_configs", "check_moe_sequence_parallel", "convert_precision"]
+__all__ = [
+    "check_model_configs",
+    "check_moe_autocast",
+    "check_moe_sequence_parallel",
+    "convert_precision",
+]
 
 
 def check_model_configs(model: torch.nn.Module, config: StrategyConfig) -> None:
@@ -54,6 +59,38 @@ def check_moe_sequence_parallel(model: torch.nn.Module, config: StrategyConfig) 
                 "trains MoE layers with tensor parallelism only with sequence parallelism. "
                 "Use MegatronStrategy(sequence_parallel=True) (and build the model's "
                 "TransformerConfig with sequence_parallel=True), or tensor_model_parallel_size=1"
+            )
+        return
+
+
+def check_moe_autocast(model: torch.nn.Module, plugin: Any) -> None:
+    """Refuse to train a mixture of experts under torch autocast (``"bf16-mixed"``,
+    ``"16-mixed"``) without Transformer Engine. Megatron-Core's router computes its logits in
+    an autograd function of its own (``RouterGatingLinearFunction``) whose backward, without
+    Transformer Engine's GEMM, multiplies the half-precision gradient autocast gave its output
+    by the fp32 weight: the first backward fails, on any device."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if not isinstance(plugin, MixedPrecision):
+        return
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # no MoE in this megatron-core
+        return
+    if getattr(moe_utils, "te_general_gemm", None) is not None:
+        return
+    for module in megatron_modules(model):
+        experts = getattr(getattr(module, "config", None), "num_moe_experts", None)
+        if experts:
+            raise ValueError(
+                f"{type(module).__name__} is a mixture of experts (num_moe_experts={experts}) "
+                f"and Trainer(precision={plugin.precision!r}) trains it under torch autocast, "
+                "which Megatron-Core's MoE router does not support without Transformer "
+                "Engine (its backward multiplies the half-precision gradient by the fp32 "
+                "weight). Use Megatron-Core's mixed precision instead: the model built with "
+                "TransformerConfig(bf16=True, params_dtype=torch.bfloat16) in Float16Module, "
+                "and OptimizerConfig(bf16=True), with precision='32-true' (docs/gpu.md); or "
+                "install Transformer Engine"
             )
         return
 

@@ -60,6 +60,7 @@ from lightning_mcore_ckpt.strategy.config import (
 from lightning_mcore_ckpt.strategy.dataloader import elastic_dataloader
 from lightning_mcore_ckpt.strategy.model_setup import (
     check_model_configs,
+    check_moe_autocast,
     check_moe_sequence_parallel,
     convert_precision,
 )
@@ -347,6 +348,7 @@ class MegatronStrategy(ParallelStrategy):
         self.barrier("MegatronStrategy.setup")
         if trainer.state.fn == TrainerFn.FITTING:
             check_moe_sequence_parallel(self.model, self.config)
+            check_moe_autocast(self.model, self.precision_plugin)
             self._initialize_weights(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -179,6 +179,7 @@ _LONGEST_FIRST = (
     "tests/nodes/test_shared_filesystem.py",
     "tests/nodes/test_fast_tier.py",
     "tests/resume/test_moe_matrix.py",
+    "tests/resume/test_fast_tier_matrix.py",
     "tests/distributed/test_lightning_parity.py",
     "tests/faults/test_failing_runs.py",
     "tests/examples/test_check_resume_examples.py",

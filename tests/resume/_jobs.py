@@ -272,10 +272,14 @@ def build(
     etp: int | None = None,
     router: str | None = None,
     sequence_parallel: bool = False,
+    fast_tier: bool = False,
 ) -> Any:
+    """The matrix's job. ``fast_tier``: the checkpoint callback also saves a fast step after
+    every step (one node: the node's own copies), and its persistent cadence (``"steps"``) is
+    moved past the run's end, so that a resume can only come from the fast tier."""
     import tempfile
 
-    from lightning_mcore_ckpt import MegatronCheckpoint, ResumeJob
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, ResumeJob
 
     # A job seeded from the clock seeds everything from it, the strategy's seed (Megatron's RNG
     # tracker: the initial weights, dropout) too: its runs differ from the first batch on, not
@@ -312,6 +316,19 @@ def build(
         trainer_kwargs.update(limit_val_batches=2, check_val_every_n_epoch=1)
     else:
         raise ValueError(cadence)
+    if fast_tier:
+        if cadence != "steps":
+            raise ValueError(f"fast_tier with cadence {cadence!r}: the fast tier saves by steps")
+        callback_kwargs.update(
+            every_n_train_steps=1000,
+            save_last=False,
+            # check_resume points it at each run's node-local directory before fit.
+            fast_tier=FastTier(
+                f"{tempfile.gettempdir()}/lmc-job-fast-placeholder",
+                every_n_train_steps=1,
+                replicas=0,
+            ),
+        )
     if optimizer == "distributed_full":  # the distributed optimizer, saved fully reshardable
         optimizer, optimizer_sharding = "distributed", "fully_reshardable"
     strategy = _strategy_class(broken)(

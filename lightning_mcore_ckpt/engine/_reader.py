@@ -382,12 +382,22 @@ class CheckpointReader:
         """Load this rank's file of a fast-tier step (:mod:`~._rank_state`) into ``state``'s
         model and optimizers (local: each rank reads its own file, in the layout that saved
         it). Checked before it is unpickled unless ``trusted``, as every step is. ``held``: as
-        for :meth:`check_extra` (the file is then not read again)."""
+        for :meth:`check_extra` (the file is then not read again). A file that lacks what
+        this run loads (saved by a run with another model or optimizer) is refused, naming
+        it and the ways on."""
         held = held or {}
         path = step / _rank_state.state_name(state.rank)
         payload = _rank_state.read(path, trusted=trusted, data=held.get(path))
         stateless = self._saved_stateless(step / EXTRA_DIR, state, trusted, held)
-        _rank_state.load(payload, state, stateless, self._create_state)
+        try:
+            _rank_state.load(payload, state, stateless, self._create_state)
+        except KeyError as err:
+            raise ValueError(
+                f"{path}: {err.args[0]}, which this run loads: the fast step was saved by a run "
+                "with another model or optimizer. Resume from the persistent tier instead "
+                "(fit(ckpt_path=<its global_step_N directory>)), or move the fast tier's steps "
+                f"out of {step.parent} to start it afresh"
+            ) from err
         self._unloaded = []  # every state this load created is loaded
 
     @staticmethod

@@ -14,6 +14,8 @@
   refused at setup on every rank, naming the ranks, the host, their directories and the fix.
 - A fast step resumes only the layout that saved it: resumed in another, it is passed over
   (the reason recorded) for the persistent tier, which reshards.
+- A fast step saved by a run with another optimizer is refused on every rank before a step,
+  naming the file, what it lacks and the ways on; its files stay as they were.
 """
 
 from __future__ import annotations
@@ -172,3 +174,62 @@ def test_the_first_start_with_last_and_a_fast_tier_trains_from_scratch(tmp_path:
     # from scratch (every rank asked the fast tier together, and found nothing).
     results = run_distributed(_first_start, 2, str(tmp_path))
     assert results == [{"step": 3, "losses": 3}] * 2
+
+
+def _optimizer_run(
+    rank: int, world_size: int, tmp: str, optimizer: str, ckpt_path: str | None
+) -> Any:
+    import lightning.pytorch as pl
+    from _trainer import loader, make_trainer
+
+    from lightning_mcore_ckpt import FastTier, MegatronCheckpoint, MegatronStrategy
+    from lightning_mcore_ckpt.tiny import TinyGPTModule
+
+    checkpoint = MegatronCheckpoint(
+        f"{tmp}/ckpt",
+        every_n_train_steps=1000,
+        save_last=False,
+        fast_tier=FastTier(f"{tmp}/fast", every_n_train_steps=1, replicas=0),
+    )
+    steps: list[int] = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            steps.append(trainer.global_step)
+
+    trainer = make_trainer(
+        3,
+        MegatronStrategy(),
+        world_size,
+        callbacks=[checkpoint, Steps()],
+        enable_checkpointing=True,
+    )
+    try:
+        trainer.fit(
+            TinyGPTModule(optimizer=optimizer), train_dataloaders=loader(32), ckpt_path=ckpt_path
+        )
+    except ValueError as err:
+        return {"error": str(err), "steps": steps}
+    return {"error": None, "steps": steps}
+
+
+def test_a_fast_step_of_another_optimizer_is_refused_naming_the_ways_on(tmp_path: Path) -> None:
+    """Fast steps saved with torch AdamW, resumed by a run with Megatron-Core's distributed
+    optimizer: each rank's file lacks the state that run loads. Refused on every rank before a
+    step, naming the file, what it lacks and the ways on (the persistent tier, or the fast
+    tier's steps moved away); the files stay as they were."""
+    first = run_distributed(_optimizer_run, 2, str(tmp_path), "adamw", None)
+    assert all(r["error"] is None for r in first), first
+    step = files.step_dir(tmp_path / "fast", 2)
+    assert files.is_complete(step)
+    before = {p: p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()}
+    results = run_distributed(_optimizer_run, 2, str(tmp_path), "distributed", "last")
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, (rank, result)
+        assert error.startswith(f"{step / f'state_{rank:05d}.pt'}: the rank state has no "), error
+        assert "saved by a run with another model or optimizer" in error, error
+        assert "fit(ckpt_path=<its global_step_N directory>)" in error, error
+        assert f"move the fast tier's steps out of {tmp_path / 'fast'}" in error, error
+        assert result["steps"] == [], (rank, result)
+    assert {p: p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()} == before

@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         help="--only-loads: the optimizers the state is trained with (adamw: torch AdamW; "
         "distributed: Megatron-Core's distributed optimizer over Megatron DDP; "
         "distributed-bf16: the same over bf16 weights with fp32 main parameters, as "
-        "Megatron-LM trains; default all three)",
+        "Megatron-LM trains; default all three); --only-fast-tier: one of them (default adamw)",
     )
     parser.add_argument(
         "--device",

@@ -1,10 +1,12 @@
 """The fast tier next to the persistent tier, on simulated nodes:
-``python -m benchmarks --only-fast-tier [--sizes 1G] [--repeats 3] [--quick]``.
+``python -m benchmarks --only-fast-tier [--sizes 1G] [--repeats 3] [--quick]
+[--optimizers adamw]``.
 
 One job of 2 simulated nodes x 1 rank (``testing.run_nodes`` with a ``node_dir``: each node
 its own directory at the same path; the model split over both ranks by tensor parallelism, so
 the state in total is the size asked for: weights and AdamW's two moments, fp32,
-``workloads.SIZES``) trains with ``MegatronCheckpoint(every_n_train_steps=PERSIST)``, its saves
+``workloads.SIZES``; ``--optimizers distributed`` or ``distributed-bf16`` trains it with
+Megatron-Core's distributed optimizer instead, over fp32 or bf16 weights) trains with ``MegatronCheckpoint(every_n_train_steps=PERSIST)``, its saves
 async (``MegatronStrategy(ckpt_async_save=True)``), and ``FastTier(every_n_train_steps=FAST,
 replicas=1, max_to_keep=2)``. It is killed (every rank, ``os._exit``) once fast step
 ``KILLED_AT`` is complete, the persistent tier's last step being ``PERSISTED``. Measured:
@@ -405,7 +407,7 @@ def job(rank: int, world: int, cfg: dict[str, Any]) -> None:
         callbacks=callbacks,
     )
     trainer.fit(
-        workloads._module(cfg["size"]),
+        workloads._module(cfg["size"], optimizer=cfg.get("optimizer", "adamw")),
         train_dataloaders=workloads._loader(stateful=True),
         ckpt_path=None if prepare else "last",
     )
@@ -534,14 +536,14 @@ def _parts(ranks: list[dict[str, Any]], step: int) -> dict[str, float]:
     return out
 
 
-def prepare(scratch: Path, size: str, timeout: float) -> dict[str, Any]:
+def prepare(scratch: Path, size: str, timeout: float, optimizer: str = "adamw") -> dict[str, Any]:
     """The measured training run (see the module, item 1); its directories become the
-    snapshot every recovery starts from."""
+    snapshot every recovery starts from. ``optimizer``: the workload's (``--optimizers``)."""
     from lightning_mcore_ckpt.format import layout, markers
 
     run = scratch / "run"
     shutil.rmtree(run, ignore_errors=True)
-    ranks = _launch(run, {"mode": "prepare", "size": size}, timeout)
+    ranks = _launch(run, {"mode": "prepare", "size": size, "optimizer": optimizer}, timeout)
     # fast_tier.jsonl's names, fast_ taken off (blocking_time_s...), as the persistent tier's
     fast_saves = [
         {k.removeprefix("fast_"): v for k, v in r.items()}
@@ -609,6 +611,7 @@ def recover_once(
     throttled: ThrottledDir | None = None,
     s3: S3Stand | None = None,
     shm: ShmDir | None = None,
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """One launch of ``row`` from a fresh copy of the snapshot (see the module, item 2)."""
     from benchmarks import workloads
@@ -628,7 +631,7 @@ def recover_once(
     if row == THROTTLED:
         assert throttled is not None
         throttled.take(run / "shared")
-    cfg: dict[str, Any] = {"mode": "resume", "size": size}
+    cfg: dict[str, Any] = {"mode": "resume", "size": size, "optimizer": optimizer}
     env = None
     if row == S3_ROW:  # the persistent tier is the bucket's: nothing else can be read
         assert s3 is not None
@@ -845,13 +848,15 @@ def measure(
     throttled: ThrottledDir | None = None,
     s3: S3Stand | None = None,
     shm_root: Path | None = None,
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """The training run, then ``repeats`` rounds of the recovery rows and the speeds (see the
     module). ``shm_root``: where :data:`SHM_ROW`'s nodes' directories go (``/dev/shm``;
-    ``None``: the row is not asked for)."""
+    ``None``: the row is not asked for). ``optimizer``: the workload's (``load_rounds``'
+    ``OPTIMIZER_NAMES``)."""
     print(f"== fast tier, state {size}: the training run", flush=True)
     started = time.perf_counter()
-    saves = prepare(scratch, size, timeout)
+    saves = prepare(scratch, size, timeout, optimizer)
     print(f"   {time.perf_counter() - started:.0f} s", flush=True)
     published = None
     if s3 is not None:  # the step the job left, into the bucket: the S3 row's persistent tier
@@ -881,7 +886,9 @@ def measure(
                     speeds[row].append(figure)
                     print(f"round {r}, {row}: {_speed_line(figure)}", flush=True)
                     continue
-                got = recover_once(scratch, row, size, timeout, throttled, s3, shm)
+                got = recover_once(
+                    scratch, row, size, timeout, throttled, s3, shm, optimizer=optimizer
+                )
                 launches[row].append(got)
                 _print_launch(r, row, got)
     finally:
@@ -889,6 +896,7 @@ def measure(
             shm.close()
     return {
         "size": size,
+        "optimizer": optimizer,
         "saves": saves,
         "launches": launches,
         "throttle": throttled.describe() if throttled is not None else None,
@@ -1828,6 +1836,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from benchmarks.load_rounds import OPTIMIZER_NAMES
+
+    optimizer = args.optimizers or "adamw"
+    if optimizer not in OPTIMIZER_NAMES:
+        print(
+            f"python -m benchmarks --only-fast-tier: --optimizers {optimizer}: pass one of "
+            f"{', '.join(OPTIMIZER_NAMES)}",
+            file=sys.stderr,
+        )
+        return 2
     why = nodes_unavailable()
     if why is not None:
         print(f"python -m benchmarks --only-fast-tier: {why}", file=sys.stderr)
@@ -1848,7 +1866,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"   {THROTTLED}: not measured: {why}", flush=True)
     try:
         result = measure(
-            scratch, size, repeats, 600 if args.quick else 3600, throttled, s3, shm_root=SHM
+            scratch,
+            size,
+            repeats,
+            600 if args.quick else 3600,
+            throttled,
+            s3,
+            shm_root=SHM,
+            optimizer=optimizer,
         )
         result["throttle_why"] = why or None
         result["s3_why"] = s3_why or None
@@ -1866,11 +1891,17 @@ def run(args: argparse.Namespace) -> int:
     command = "python -m benchmarks --only-fast-tier " + (
         "--quick" if args.quick else f"--sizes {size} --repeats {repeats}"
     )
+    workload = "" if optimizer == "adamw" else f"-{optimizer}"
+    if workload:
+        command += f" --optimizers {optimizer}"
     summary = summarise(result)
     table = report(result, summary, machine, command)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{time.strftime('%Y-%m-%d', time.gmtime())}-{socket.gethostname()}-fast-tier-{size}"
+    stem = (
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}-{socket.gethostname()}-fast-tier-{size}"
+        f"{workload}"
+    )
     (out / f"{stem}.md").write_text(table)
     raw = {"machine": machine, "command": command, "summary": summary, **result}
     (out / f"{stem}.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")

@@ -1,7 +1,9 @@
 """``python -m benchmarks --only-fast-tier --quick`` end to end (about 30 s on 2 cores; needs
 simulated nodes with a ``node_dir``: Linux, root): every recovery row launched and resumed from
 the tier it stands for, ``/dev/shm``'s row included where ``/dev/shm`` is there, its speed
-measured and its bound judged, and its directory under ``/dev/shm`` removed afterwards."""
+measured and its bound judged, and its directory under ``/dev/shm`` removed afterwards; with
+torch AdamW (the default) and with Megatron-Core's distributed optimizer over bf16 weights
+(``--optimizers distributed-bf16``, as Megatron-LM trains)."""
 
 from __future__ import annotations
 
@@ -25,23 +27,28 @@ def _ours() -> set[str]:
 
 
 @pytest.mark.timeout(600)
-def test_the_fast_tier_benchmarks_quick_mode_runs_every_row(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "distributed-bf16"])
+def test_the_fast_tier_benchmarks_quick_mode_runs_every_row(tmp_path: Path, optimizer: str) -> None:
     from lightning_mcore_ckpt.testing import nodes_unavailable
 
     why = nodes_unavailable()
     if why is not None:
         pytest.skip(why)
     before = _ours()
+    chosen = [] if optimizer == "adamw" else ["--optimizers", optimizer]
     run_benchmarks(
         "--only-fast-tier",
         "--quick",
+        *chosen,
         "--out",
         str(tmp_path / "out"),
         "--dir",
         str(tmp_path / "scratch"),
     )
-    (raw,) = (tmp_path / "out").glob("*-fast-tier-quick.json")
+    suffix = "" if optimizer == "adamw" else f"-{optimizer}"
+    (raw,) = (tmp_path / "out").glob(f"*-fast-tier-quick{suffix}.json")
     data = json.loads(raw.read_text())
+    assert data["optimizer"] == optimizer
     rows = data["summary"]["rows"]
     own, peer, persistent = fast_tier.ROWS
     for row in (own, peer):
@@ -50,7 +57,7 @@ def test_the_fast_tier_benchmarks_quick_mode_runs_every_row(tmp_path: Path) -> N
     bounds = data["summary"]["bounds"]
     assert bounds["read"]["gbps"] and bounds["link"]["gbps"]
     shm = bounds["rows"][fast_tier.SHM_ROW]
-    (table,) = (tmp_path / "out").glob("*-fast-tier-quick.md")
+    (table,) = (tmp_path / "out").glob(f"*-fast-tier-quick{suffix}.md")
     if data["shm"] is None:  # no /dev/shm, or too small: said, not launched
         assert data["shm_why"] and fast_tier.SHM_ROW not in rows
         assert shm["verdict"] == "MISSED" and data["shm_why"] in shm["why"]

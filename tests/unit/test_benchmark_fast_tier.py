@@ -295,6 +295,7 @@ def test_the_s3_row_is_launched_each_round_from_the_step_the_job_left_in_the_buc
         throttled: Any,
         s3: Any,
         shm: Any = None,
+        optimizer: str = "adamw",
     ) -> dict[str, Any]:
         calls.append((row, s3))
         tier = "fast" if row.startswith("fast") else "persistent"
@@ -562,7 +563,7 @@ def test_the_speeds_are_measured_each_round_between_the_launches(
     first = fast_tier.round_order(list(fast_tier.ROWS), 1)  # no stand-in set up below
     calls: list[str] = []
 
-    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+    def recover_once(scratch: Path, row: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         calls.append(row)
         return _launch(3.0, 1.0, 2.0, "fast" if row.startswith("fast") else "persistent", 0)
 
@@ -761,7 +762,7 @@ def test_the_dev_shm_row_and_its_speed_are_interleaved_with_the_others_each_roun
     calls: list[str] = []
     shms: list[Any] = []
 
-    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+    def recover_once(scratch: Path, row: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         calls.append(row)
         shms.append(args[-1])
         return _launch(3.0, 1.0, 2.0, "fast" if row.startswith("fast") else "persistent", 0)
@@ -796,7 +797,7 @@ def test_the_dev_shm_row_and_its_speed_are_interleaved_with_the_others_each_roun
 def test_the_dev_shm_directory_is_removed_when_a_launch_fails(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+    def recover_once(scratch: Path, row: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         raise RuntimeError("a rank died")
 
     monkeypatch.setattr(fast_tier, "prepare", lambda *args: _result()["saves"])
@@ -813,7 +814,7 @@ def test_without_room_on_dev_shm_the_row_is_not_launched_saying_why(
 ) -> None:
     calls: list[str] = []
 
-    def recover_once(scratch: Path, row: str, *args: Any) -> dict[str, Any]:
+    def recover_once(scratch: Path, row: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         calls.append(row)
         return _launch(3.0, 1.0, 2.0, "fast" if row.startswith("fast") else "persistent", 0)
 

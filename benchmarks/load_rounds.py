@@ -163,11 +163,10 @@ def _torch_save_state(methods: Any) -> dict[str, Any]:
     hold the moments, and its main parameters are added where they are copies of the weights
     (bf16 weights' fp32 main parameters; ``workloads.main_parameters``), as our step holds
     them."""
-    optimizers = [methods.optimizer]
     return {
         "state_dict": methods.module.state_dict(),
         "optimizer_states": [o.state_dict() for o in torch_optimizers_in(methods.optimizer)],
-        "main_parameters": main_parameters(methods.module, optimizers),
+        "main_parameters": main_parameters(methods.module, [methods.optimizer]),
     }
 
 

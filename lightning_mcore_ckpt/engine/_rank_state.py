@@ -36,7 +36,16 @@ from lightning_mcore_ckpt.safety import safe_load as _safe_load
 from lightning_mcore_ckpt.storage import atomic as _atomic
 from lightning_mcore_ckpt.training import optim as _optim
 
-__all__ = ["RANK_STATE_VERSION", "StagingCache", "load", "read", "stage", "state_name", "write"]
+__all__ = [
+    "RANK_STATE_VERSION",
+    "NotInRankState",
+    "StagingCache",
+    "load",
+    "read",
+    "stage",
+    "state_name",
+    "write",
+]
 
 RANK_STATE_VERSION = 2
 """The format of a rank's state file; a reader refuses a newer one. 2: a distributed optimizer's
@@ -55,6 +64,10 @@ does (it resumes the layout that saved it)."""
 def state_name(rank: int) -> str:
     """The name of ``rank``'s state file in a fast-tier step directory."""
     return f"state_{rank:05d}.pt"
+
+
+class NotInRankState(KeyError):
+    """A tensor or object a load asks for that the rank's state file does not hold."""
 
 
 CreateState = Callable[[torch.optim.Optimizer, Mapping[str, Any] | None, set[str] | None], None]
@@ -215,11 +228,11 @@ def _restore(template: dict[str, Any], part: dict[str, Any], device: torch.devic
         if isinstance(item, ShardedTensor):
             name = repr(tensor_id(item))
             if name not in tensors:
-                raise KeyError(f"the rank state has no tensor {item.key!r} (shard {name})")
+                raise NotInRankState(f"the rank state has no tensor {item.key!r} (shard {name})")
             return tensors[name]
         name = repr(object_id(item))
         if name not in objects:
-            raise KeyError(f"the rank state has no object {item.key!r} ({name})")
+            raise NotInRankState(f"the rank state has no object {item.key!r} ({name})")
         return objects[name]
 
     # Every item found before any is loaded: a rank state that lacks one changes nothing.
@@ -297,7 +310,7 @@ def load(
     payload: dict[str, Any],
     state: TrainingState,
     stateless: list[list[int]] | None,
-    create_state: CreateState | None = None,
+    create_state: CreateState,
 ) -> None:
     """Load a rank's state into ``state``'s model and optimizers (local: no collective). The
     layout must be the one that saved it; ``stateless``: the saving rank's record of the
@@ -305,9 +318,10 @@ def load(
 
     The optimizers' state is made for the load to overwrite whole, as the persistent tier's
     load makes it (uninitialised where it can be; for a torch optimizer, for exactly the
-    parameters whose state the file holds): by ``create_state`` (the reader's, which empties it
-    again if the load fails), else by ``training.optim.init_state``. Its template agrees
-    nothing over the ranks: each rank's file holds what the agreement gave it at save."""
+    parameters whose state the file holds), by ``create_state`` (the reader's, which empties it
+    again if the load fails). Its template agrees nothing over the ranks: each rank's file
+    holds what the agreement gave it at save. :class:`NotInRankState`: the file lacks
+    something this load asks for."""
     from megatron.core.optimizer import MegatronOptimizer
 
     if payload.get("parallel_layout") != state.parallel_layout:
@@ -316,19 +330,18 @@ def load(
             f"{payload.get('parallel_layout')}, not this run's {state.parallel_layout}: a "
             "fast-tier step resumes only the layout that saved it"
         )
-    create = create_state or _overwritten_state
     model = _restore(state.model_sharded_state_dict(), payload["model"], state.device)
     state.module.load_state_dict(to_module_keys(state.module, model), strict=state.strict)
     model_ssd = state.model_sharded_state_dict()
     saved_keys = set(payload["optimizers"]["keys"])
     for opt in state.optimizers:
         if not isinstance(opt, MegatronOptimizer):
-            create(opt, model_ssd, saved_keys)
+            create_state(opt, model_ssd, saved_keys)
     for dist_opt in distributed_optimizers(state.optimizers):
         # Megatron reads the state's step count before loading into it, and then copies every
         # element of each moment: its state as a step makes it, not zeroed.
         if not dist_opt.optimizer.state:
-            create(dist_opt.optimizer, None, None)
+            create_state(dist_opt.optimizer, None, None)
     # A file of format 1 holds it as the run's persistent tier saved it.
     metadata = megatron_optimizer_metadata(
         payload.get("optimizer_sharding", state.optimizer_sharding)
@@ -338,14 +351,6 @@ def load(
     )
     loaded = _restore(template, payload["optimizers"], state.device)
     apply_optimizer_state(state, loaded, stateless)
-
-
-def _overwritten_state(
-    optimizer: torch.optim.Optimizer,
-    model_ssd: Mapping[str, Any] | None,
-    saved_keys: set[str] | None,
-) -> None:
-    _optim.init_state(optimizer, model_ssd, saved_keys, overwritten=True)
 
 
 def apply_optimizer_state(

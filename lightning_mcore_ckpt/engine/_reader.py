@@ -391,7 +391,7 @@ class CheckpointReader:
         stateless = self._saved_stateless(step / EXTRA_DIR, state, trusted, held)
         try:
             _rank_state.load(payload, state, stateless, self._create_state)
-        except KeyError as err:
+        except _rank_state.NotInRankState as err:
             raise ValueError(
                 f"{path}: {err.args[0]}, which this run loads: the fast step was saved by a run "
                 "with another model or optimizer. Resume from the persistent tier instead "

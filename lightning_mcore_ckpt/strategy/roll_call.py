@@ -9,10 +9,12 @@ creates: ``torchrun``'s, Lightning's), and a rank whose error is a peer's silenc
 :data:`ROLL_CALL_S` for the others' answers, then adds a note to its error naming the nodes (with
 their host names, recorded at setup) none of whose ranks answered. When the store itself does not
 answer (it lives on global rank 0's node), the note says so: then that node is the silent one.
-Global rank 0, whose process serves the store, returns only once every rank of every node that
-answered has answered and finished reading it (bounded): a rank of a live node may fail later
-than rank 0 (another collective's timeout), and rank 0's exit would otherwise close the store
-under its feet and read to it as a silent node 0.
+The first rank whose wait runs out closes the roll call in the store: a rank that answers later
+(its error came from another collective's timeout) reads the answers at once instead of waiting
+again. Global rank 0, whose process serves the store, returns only once every rank of every node
+that answered has answered and finished reading it, bounded by ``linger_s`` (the process
+group's timeout: every survivor's wait for the silent node ends within it): its exit would
+otherwise close the store under a later rank's feet and read to it as a silent node 0.
 
 No collective: a store key per node written at setup, an answer and a count per rank at the
 failure, each call bounded (a daemon thread joined with a timeout: a TCPStore client's calls
@@ -80,23 +82,27 @@ def answer(
     ranks_per_node: int,
     wait: bool,
     wait_s: float = ROLL_CALL_S,
+    linger_s: float | None = None,
 ) -> str | None:
     """Answer the roll call ``generation`` (one per failure of the job) as ``rank``; with
-    ``wait``, wait up to ``wait_s`` for every rank's answer and return what to tell the user:
-    the nodes none of whose ranks answered, or that the store did not answer (``None``: every
-    rank answered). Never raises, and returns within ``wait_s`` (``0`` without ``wait``) plus
-    :data:`STORE_S`: a roll call adds to an error, it does not replace it.
+    ``wait``, wait up to ``wait_s`` for every rank's answer (less once another rank's wait has
+    run out) and return what to tell the user: the nodes none of whose ranks answered, or that
+    the store did not answer (``None``: every rank answered). Never raises, and returns within
+    ``wait_s`` (``0`` without ``wait``) plus :data:`STORE_S`, and on global rank 0 ``linger_s``
+    and :data:`STORE_S` more at most (``linger_s`` defaults to ``wait_s``): a roll call adds to
+    an error, it does not replace it.
 
     The store's calls run in a daemon thread joined with that bound: a TCPStore client's
     ``add`` and ``check`` wait for a stopped server without end, whatever its timeout."""
     found: list[str | None] = []
+    linger_s = wait_s if linger_s is None else linger_s
     call = functools.partial(
-        _answer, store, generation, rank, world_size, ranks_per_node, wait, wait_s
+        _answer, store, generation, rank, world_size, ranks_per_node, wait, wait_s, linger_s
     )
     worker = threading.Thread(target=lambda: found.append(call()), name="roll-call", daemon=True)
     worker.start()
     # Global rank 0 may also wait for the others to finish (its process serves the store).
-    worker.join((wait_s if wait else 0.0) + STORE_S + (wait_s + STORE_S if rank == 0 else 0.0))
+    worker.join((wait_s if wait else 0.0) + STORE_S + (linger_s + STORE_S if rank == 0 else 0.0))
     if not found:
         return _store_silent(f"no reply within {wait_s + STORE_S:.0f} s") if wait else None
     return found[0]
@@ -110,6 +116,7 @@ def _answer(
     ranks_per_node: int,
     wait: bool,
     wait_s: float,
+    linger_s: float,
 ) -> str | None:
     key = f"{_PREFIX}/{generation}"
     nodes = world_size // ranks_per_node
@@ -118,17 +125,14 @@ def _answer(
         store.add(f"{key}/node/{rank // ranks_per_node}", 1)
         answered = store.add(f"{key}/count", 1)
         if wait:
-            deadline = time.monotonic() + wait_s
-            while answered < world_size and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
-                answered = store.add(f"{key}/count", 0)
+            answered = _wait_for_answers(store, key, answered, world_size, wait_s)
             if answered < world_size:
                 quiet = [n for n in range(nodes) if not store.check([f"{key}/node/{n}"])]
                 hosts = [_host(store, n) for n in quiet]
                 finding = _silent_nodes(quiet, hosts, answered, world_size, wait_s)
         done = store.add(f"{key}/done", 1)
         if rank == 0:  # the store lives in this process: it stays until the others are done
-            deadline = time.monotonic() + wait_s + STORE_S
+            deadline = time.monotonic() + linger_s + STORE_S
             while done < _expected(store, key, nodes, ranks_per_node, wait) and (
                 time.monotonic() < deadline
             ):
@@ -137,6 +141,21 @@ def _answer(
     except Exception as err:  # noqa: BLE001 - the store's own failure is the finding
         return _store_silent(f"{type(err).__name__}: {err}") if wait else None
     return finding
+
+
+def _wait_for_answers(store: Any, key: str, answered: int, world_size: int, wait_s: float) -> int:
+    """Wait up to ``wait_s`` for ``world_size`` answers, or until another rank's wait has run
+    out (the roll call is closed: its answers are all that will come in time); a wait that runs
+    out closes it. Returns the count of answers."""
+    closed = f"{key}/closed"
+    deadline = time.monotonic() + wait_s
+    while answered < world_size and not store.check([closed]):
+        if time.monotonic() >= deadline:
+            store.set(closed, b"1")
+            break
+        time.sleep(_POLL_S)
+        answered = store.add(f"{key}/count", 0)
+    return int(store.add(f"{key}/count", 0))
 
 
 def _expected(store: Any, key: str, nodes: int, ranks_per_node: int, silence: bool) -> int:

@@ -590,6 +590,8 @@ class MegatronStrategy(ParallelStrategy):
             world_size=self.world_size,
             ranks_per_node=self.num_processes,
             wait=roll_call.is_peer_silence(exception),
+            # A later survivor's wait for the silent node ends within one timeout of this one's.
+            linger_s=self.config.timeout.total_seconds(),
         )
         if finding is not None:
             note = f"rank {self.global_rank} ({socket.gethostname()}): {finding}"

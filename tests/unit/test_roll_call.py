@@ -170,8 +170,15 @@ def test_which_errors_are_a_peers_silence(error: BaseException, silence: bool) -
         assert roll_call.is_peer_silence(outer) is silence  # found through the cause
 
 
+LINGER_S = 2 * WAIT_S + roll_call.STORE_S + 2.0
+"""Rank 0's ``linger_s`` here (the strategy passes its process group's timeout): longer than its
+wait and the store's bound put together, which was all rank 0 stayed for before."""
+
+
 @pytest.mark.parametrize(
-    "delay", [1.0, WAIT_S + 1.0], ids=["a moment later", "after rank 0's whole wait"]
+    "delay",
+    [1.0, WAIT_S + 1.0, 2 * WAIT_S + roll_call.STORE_S],
+    ids=["a moment later", "after rank 0's whole wait", "after rank 0's wait and more"],
 )
 def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are_done(
     store: TCPStore, delay: float
@@ -179,7 +186,8 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
     """Rank 0 answers first and would exit, closing the store, while rank 1 (its error a moment
     later, or later than rank 0's whole wait: another collective's timeout) still reads it, or
     has not come yet: rank 1 would then blame node 0. Rank 0 waits for every rank of a node
-    that answered (bounded)."""
+    that answered, up to ``linger_s``; a rank coming after rank 0's wait ran out reads the
+    closed roll call at once instead of waiting for node 1 again."""
     roll_call.register_host(_client(store), 1)
     ended: dict[int, float] = {}
     last_use: dict[int, float] = {}
@@ -202,8 +210,11 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
 
     found: dict[int, str | None] = {}
 
+    came: dict[int, float] = {}
+
     def one(rank: int, delay: float) -> None:
         time.sleep(delay)
+        came[rank] = time.monotonic()
         found[rank] = roll_call.answer(
             Timed(rank),
             generation=1,
@@ -212,6 +223,7 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
             ranks_per_node=PER_NODE,
             wait=True,
             wait_s=WAIT_S,
+            linger_s=LINGER_S,
         )
         ended[rank] = time.monotonic()
 
@@ -227,3 +239,7 @@ def test_global_rank_0_whose_process_serves_the_store_stays_until_the_others_are
     # the store (its "done") had returned: rank 1 was done with the store rank 0 serves.
     assert ended[0] >= last_use[1], (ended, last_use)
     assert "node 1" in (found[1] or "") and "store" not in (found[1] or ""), found
+    assert "node 1" in (found[0] or ""), found
+    if delay > WAIT_S:  # rank 0's wait had run out: rank 1 did not wait for node 1 again
+        assert ended[1] - came[1] < WAIT_S / 2, (came, ended)
+    assert ended[0] - came[0] < WAIT_S + LINGER_S + 2 * roll_call.STORE_S

@@ -48,6 +48,7 @@ def _job(
     precision: str,
     accelerator: str,
     ckpt_path: str | None,
+    saved_format: int,
 ) -> dict[str, Any]:
     import lightning.pytorch as pl
     from _trainer import gathered_optimizer, gathered_weights, loader, record_losses
@@ -55,6 +56,8 @@ def _job(
     from lightning_mcore_ckpt import FastTier, MegatronCheckpoint
 
     module, strategy = _module_and_strategy(optimizer, precision, world_size)
+    if ckpt_path is None and saved_format == 1:
+        _save_format_1(strategy.config.ckpt_optimizer_sharding)
     losses = record_losses(module)
     seen: dict[str, Any] = {"pinned": []}
     checkpoint = MegatronCheckpoint(
@@ -95,15 +98,39 @@ def _job(
     }
 
 
+def _save_format_1(sharding: str) -> None:
+    """Make this process's fast saves write rank-state files as format 1 did: the distributed
+    optimizer's state in the run's ``sharding``, which the file does not name."""
+    from lightning_mcore_ckpt.engine import _rank_state
+    from lightning_mcore_ckpt.fast import writer
+
+    stage = writer.stage_rank_state
+
+    def format_1(state: Any, cache: Any) -> dict[str, Any]:
+        _rank_state.SHARDING = sharding
+        payload = stage(state, cache)
+        del payload["optimizer_sharding"]
+        return {**payload, "version": 1}
+
+    writer.stage_rank_state = format_1
+
+
 def resumes_exactly(
-    tmp: Path, optimizer: str, precision: str, accelerator: str, world_size: int = 1
+    tmp: Path,
+    optimizer: str,
+    precision: str,
+    accelerator: str,
+    world_size: int = 1,
+    saved_format: int = 2,
 ) -> None:
     """The check, on ``accelerator`` (its CPU twins run it with ``"cpu"``), on ``world_size``
     ranks of one node: every rank resumed the newest fast step and continued with its losses,
-    and the weights and optimizer state (gathered) are the uninterrupted run's, bit for bit."""
+    and the weights and optimizer state (gathered) are the uninterrupted run's, bit for bit.
+    ``saved_format``: the rank-state format the first run writes (1: as before the format named
+    the optimizer's sharding)."""
     args = (str(tmp), optimizer, precision, accelerator)
-    firsts = run_distributed(_job, world_size, *args, None)
-    agains = run_distributed(_job, world_size, *args, "last")
+    firsts = run_distributed(_job, world_size, *args, None, saved_format)
+    agains = run_distributed(_job, world_size, *args, "last", 2)
     newest = (END - 1) // FAST * FAST
     for rank, (first, again) in enumerate(zip(firsts, agains, strict=True)):
         assert again["resumed"] == newest, rank

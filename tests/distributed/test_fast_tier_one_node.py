@@ -14,6 +14,8 @@
   refused at setup on every rank, naming the ranks, the host, their directories and the fix.
 - A fast step resumes only the layout that saved it: resumed in another, it is passed over
   (the reason recorded) for the persistent tier, which reshards.
+- A fast step written in rank-state format 1 (before the file named the optimizer's sharding)
+  resumes exactly in the sharding of the run that saved it.
 - A fast step saved by a run with another optimizer is refused on every rank before a step,
   naming the file, what it lacks and the ways on; its files stay as they were.
 """
@@ -53,6 +55,13 @@ def test_two_ranks_resume_their_own_copies_exactly(
     tmp_path: Path, optimizer: str, precision: str
 ) -> None:
     resumes_exactly(tmp_path, optimizer, precision, "cpu", world_size=2)
+
+
+def test_a_fast_step_of_format_1_resumes_in_the_sharding_its_run_saved(tmp_path: Path) -> None:
+    """A rank-state file of format 1 holds the distributed optimizer's state as the run's
+    persistent tier saves it (here ``fully_reshardable``) and does not say so: it is loaded
+    that way, not in the form format 2 holds."""
+    resumes_exactly(tmp_path, "distributed_full", "32", "cpu", saved_format=1)
 
 
 def _refused(rank: int, world_size: int, tmp: str, fast: str = "fast") -> dict[str, Any]:

@@ -13,7 +13,8 @@ A node holds the files of its own ranks and the copies of its peers' ranks, unde
 names: a copy is the same file on another node. A rank's files are whole on a node when its
 seal is whole and names their sizes (:func:`present`); they are unchanged when their bytes
 hash to the seal's digests (:func:`verify`, read in full: done for the step resumed only;
-:func:`read_checked` keeps the bytes it read, so that they are loaded without a second read).
+:func:`read_checked` keeps the bytes it read, so that they are loaded without a second read;
+:func:`stream_checked` hands each piece on as it is read, keeping none).
 
 A seal's file names are read from a node's disk or received from a peer: each must be one of
 the files its rank may have (:func:`files_of`) before it becomes a path (:func:`sealed_paths`).
@@ -30,7 +31,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 from lightning_mcore_ckpt.fast import media
 from lightning_mcore_ckpt.format import integrity
@@ -55,6 +56,7 @@ __all__ = [
     "step_dir",
     "step_number",
     "steps",
+    "stream_checked",
     "verify",
     "write_seal",
 ]
@@ -65,6 +67,21 @@ _STEP = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 Progress = Callable[[int, Any, int], None]
 """``progress(index, data, done)``: file ``index``'s first ``done`` bytes are read and hashed
 into ``data`` (:func:`read_checked`)."""
+
+
+class Stream(Protocol):
+    """Where :func:`stream_checked` reads a copy piece by piece (a copy on its way to a peer:
+    :class:`~lightning_mcore_ckpt.fast.peers.Outgoing`)."""
+
+    def window(self) -> memoryview:
+        """Memory for the next piece, of the length it is to have."""
+        ...
+
+    def filled(self, index: int) -> None:
+        """The next piece, of file ``index``, is read and hashed into that memory."""
+        ...
+
+
 _CHUNK = 8 << 20
 _HUGE_PAGE = 2 << 20
 
@@ -195,12 +212,23 @@ def read_checked(
     return _checked(step, rank, keep=True, seal=seal, progress=progress)
 
 
+def stream_checked(step: Path, rank: int, seal: bytes, stream: Stream) -> str | None:
+    """Rank ``rank``'s copy in ``step`` read once, each piece into the memory ``stream`` gives
+    and handed on as soon as it is read and hashed; what is wrong with it (as :func:`verify`
+    says it), or ``None``: every byte matched the seal ``seal`` (the seal's bytes, already read
+    and announced). Nothing is kept: memory for :data:`~lightning_mcore_ckpt.fast.peers.RING`
+    pieces, not the copy's bytes."""
+    found = _checked(step, rank, keep=False, seal=seal, stream=stream)
+    return found if isinstance(found, str) else None
+
+
 def _checked(
     step: Path,
     rank: int,
     keep: bool,
     seal: bytes | None = None,
     progress: Progress | None = None,
+    stream: Stream | None = None,
 ) -> tuple[bytes, list[bytearray | memoryview]] | str:
     if seal is None:
         try:
@@ -219,7 +247,10 @@ def _checked(
     contents = []
     for index, (name, entry) in enumerate(record["files"].items()):
         told = None if progress is None else functools.partial(progress, index)
-        found = _read_hashed(paths[name], entry["size"], keep, told)
+        through = (
+            None if stream is None else (stream.window, functools.partial(stream.filled, index))
+        )
+        found = _read_hashed(paths[name], entry["size"], keep, told, through)
         if isinstance(found, str):
             return found
         data, digest = found
@@ -229,19 +260,31 @@ def _checked(
     return seal, contents
 
 
+Through = tuple[Callable[[], memoryview], Callable[[], None]]
+"""``(window, filled)``: where the next piece of a file is read, and its being read and hashed
+(a :class:`Stream` for one file)."""
+
+
 def _read_hashed(
-    path: Path, size: int, keep: bool, progress: Callable[[Any, int], None] | None = None
+    path: Path,
+    size: int,
+    keep: bool,
+    progress: Callable[[Any, int], None] | None = None,
+    through: Through | None = None,
 ) -> tuple[bytearray | memoryview, str] | str:
     """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
     and hashed chunk by chunk while the chunk is fresh in the cache; or why not (a file
     missing, or not of the ``size`` sealed). A file in memory (``/dev/shm``) is kept mapped,
     not copied (:mod:`.media`), and hashed where it is. ``progress(data, done)`` after each
-    chunk (``keep`` only): the first ``done`` bytes of ``data`` are read and hashed."""
+    chunk (``keep`` only): the first ``done`` bytes of ``data`` are read and hashed.
+    ``through``: each piece read into the memory it gives and handed on (not kept)."""
     try:
         with open(path, "rb") as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 return f"{path} has {actual} bytes, its seal says {size} (torn)"
+            if through is not None:
+                return bytearray(), _stream_hashed(f, path, size, *through)
             hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
             mapped = keep and size > 0 and media.in_memory(path)
             data = (
@@ -264,6 +307,31 @@ def _read_hashed(
     except OSError as err:
         return f"{path} cannot be read: {err}"
     return (data if keep else bytearray()), hasher.digest
+
+
+def _stream_hashed(
+    f: IO[bytes],
+    path: Path,
+    size: int,
+    window: Callable[[], memoryview],
+    filled: Callable[[], None],
+) -> str:
+    """The digest of ``f``'s ``size`` bytes, each piece read whole into ``window()``, hashed,
+    then handed on (``filled()``). Raises ``OSError`` for a file that ends early."""
+    hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
+    done = 0
+    while done < size:
+        piece = window()
+        got = 0
+        while got < len(piece):
+            read = f.readinto(piece[got:])  # type: ignore[attr-defined]
+            if not read:
+                raise OSError(f"{path} ended after {done + got} of {size} bytes (torn)")
+            got += read
+        hasher.write(piece)
+        filled()
+        done += got
+    return hasher.digest
 
 
 def buffer(size: int) -> bytearray | memoryview:

@@ -8,8 +8,9 @@ loss of any ``replicas`` nodes.
 
 Copies travel over a process group of their own (gloo, on the host), point to point: a header
 with the files' sizes, then each file in pieces (:data:`PIECE`), which a holder reading a copy
-from its disk sends as soon as each is read (:class:`Outgoing`) and the receiver has posted
-receives for all at once (:class:`Incoming`). The receiver takes each file as it arrives
+from its disk sends as soon as each is read (:class:`Outgoing`), through a few pieces of memory
+reused (:data:`RING`) where it does not keep the copy, and the receiver has posted receives for
+all at once (:class:`Incoming`). The receiver takes each file as it arrives
 (:class:`Landing`): checks it against the sender's seal (size and digest) at once, and hands
 it to a thread that writes it into its own node's directory under the same name; the seal is
 written last, once every file is checked and written: a copy torn on the way never counts.
@@ -290,6 +291,12 @@ PIECE = 16 << 20
 a holder sends each piece as soon as it has read it (:class:`Outgoing`)."""
 
 
+RING = 4
+"""Pieces of memory a holder reads a copy it sends and does not keep into (:meth:`Outgoing.window`),
+each reused once the receiver has taken the piece it held: a node serving a replaced node's
+copies holds ``RING`` pieces for each, not the copies' bytes."""
+
+
 def _pieces(size: int) -> list[tuple[int, int]]:
     """``(start, length)`` of each piece of a file of ``size`` bytes."""
     return [_piece(size, k) for k in range(_count(size))]
@@ -333,18 +340,50 @@ def handshake(
 
 class Outgoing:
     """A copy on its way to ``dst`` (its header sent): the seal at once, then each file's
-    pieces in order, each sent as soon as its bytes are in memory (:meth:`ready`). What was
-    never ready (a read that stopped short: a torn or unreadable file) is sent as zeros by
+    pieces in order, each sent as soon as its bytes are in memory: read into the file's whole
+    buffer (:meth:`ready`; the bytes sent must stay as they are until :meth:`wait` returns),
+    or piece by piece into memory reused (:meth:`window`, :meth:`filled`). What was never
+    sent (a read that stopped short: a torn or unreadable file) is sent as zeros by
     :meth:`close`, so that every receive the header announced completes; the receiver's
-    check against the seal refuses such a copy. The bytes sent must stay as they are until
-    :meth:`wait` returns."""
+    check against the seal refuses such a copy."""
 
     def __init__(self, group: Any, dst: int, seal: Data, sizes: list[int]) -> None:
         self.group, self.dst, self.seal, self.sizes = group, dst, seal, sizes
         self._file, self._piece = 0, 0
         self._works: list[Any] = []
+        self._ring: list[memoryview] = []
+        self._ring_sends: list[Any] = []
+        self._sent = 0
         self._send(seal)
         self._skip_empty()
+
+    @property
+    def piece(self) -> int:
+        """The length of the next piece (0: every piece was sent)."""
+        if self._file >= len(self.sizes):
+            return 0
+        return _piece(self.sizes[self._file], self._piece)[1]
+
+    def window(self) -> memoryview:
+        """Memory for the next piece (:attr:`piece` bytes): one of :data:`RING` pieces, taken
+        once the receiver has taken the piece it held before. Fill it, then :meth:`filled`."""
+        slot = self._sent % RING
+        if slot == len(self._ring):
+            self._ring.append(memoryview(files.buffer(min(PIECE, max(self.sizes)))))
+            self._ring_sends.append(None)
+        elif self._ring_sends[slot] is not None:
+            self._ring_sends[slot].wait()  # a gloo send is waited for once: not again by wait
+            self._ring_sends[slot] = None
+        return self._ring[slot][: self.piece]
+
+    def filled(self, index: int) -> None:
+        """The next piece, of file ``index``, is in the memory :meth:`window` gave: sent."""
+        if index != self._file:
+            raise ValueError(f"piece of file {index} filled, file {self._file} is next")
+        slot = self._sent % RING
+        self._ring_sends[slot] = self._send(self._ring[slot][: self.piece], waited_here=False)
+        self._sent += 1
+        self._advance()
 
     def ready(self, index: int, data: Data, done: int) -> None:
         """File ``index``'s first ``done`` bytes are in ``data`` (its whole buffer): each of
@@ -368,13 +407,20 @@ class Outgoing:
 
     def wait(self) -> None:
         """Wait until every piece sent has been taken by the receiver."""
-        works, self._works = self._works, []
+        works = [*self._works, *(w for w in self._ring_sends if w is not None)]
+        self._works, self._ring_sends = [], [None] * len(self._ring_sends)
         for work in works:
             work.wait()
 
-    def _send(self, data: Data) -> None:
-        if len(data):
-            self._works.append(dist.isend(_as_tensor(data), self.dst, self.group))
+    def _send(self, data: Data, waited_here: bool = True) -> Any:
+        """Send ``data``; its work is kept for :meth:`wait` where ``waited_here`` (else the
+        caller keeps it: a gloo send is waited for once)."""
+        if not len(data):
+            return None
+        work = dist.isend(_as_tensor(data), self.dst, self.group)
+        if waited_here:
+            self._works.append(work)
+        return work
 
     def _advance(self) -> None:
         self._piece += 1

@@ -296,9 +296,8 @@ def _checked_sources(
             held,
             outgoing,
         )
-        for owner, going in outgoing.items():
-            going.wait()  # taken by its owner: this rank keeps no copy it sent
-            held.pop(owner, None)
+        for going in outgoing.values():
+            going.wait()  # taken by its owner
         if incoming is not None:
             incoming.take()  # hashed piece by piece as the holder reads and sends it
         verdicts: dict[int, str | None] = {}
@@ -374,13 +373,17 @@ def _check_all(
     """What is wrong with each of ``owners``' copies in ``directory`` (``None``: whole,
     unchanged and, with ``check_finite``, finite): the copies this rank holds for them, each
     read once. A good copy's bytes go to ``held`` when this rank loads it (its own, with
-    ``keep``) or sends it (another rank's, ``outgoing``: sent piece by piece as it is read).
+    ``keep``). Another rank's copy in ``outgoing`` is sent piece by piece as it is read, through
+    a few pieces of memory reused (:meth:`Outgoing.window`), or from the whole copy read to
+    check its values (``check_finite``).
 
     Several copies are read at once, a thread each: a node that serves a replaced node's copies
     reads them and its own, and one stream of reads leaves the disk idle between its requests,
     which a second stream fills (the same bytes read; each copy hashed against its own seal,
     in the thread that reads it). The content check and what is kept are done here, after."""
-    keeps = {o: check_finite or keep or o != rank for o in owners}
+    # Another rank's copy is read whole only to check its values; one sent on otherwise goes
+    # piece by piece through memory reused (peers.RING).
+    keeps = {o: check_finite or (keep and o == rank) for o in owners}
     if len(owners) < 2:
         found = {o: _read(directory, o, keeps[o], outgoing.get(o)) for o in owners}
     else:
@@ -390,7 +393,7 @@ def _check_all(
             }
             found = {o: f.result() for o, f in reading.items()}
     return {
-        o: _judge(directory, o, found[o], check_finite, keep or o != rank, held) for o in owners
+        o: _judge(directory, o, found[o], check_finite, keep and o == rank, held) for o in owners
     }
 
 
@@ -402,6 +405,8 @@ def _read(
     ``going``: the copy is sent on as it is read, against the seal its header announced."""
     if going is not None:
         try:
+            if not keep:  # read piece by piece into memory reused, sent as each is read
+                return files.stream_checked(directory, owner, bytes(going.seal), going)
             found = files.read_checked(directory, owner, bytes(going.seal), going.ready)
         finally:
             going.close()  # whatever the read did not reach: the receiver's pieces complete

@@ -17,8 +17,9 @@ directory is empty), rank 1's node holds both ranks' files of fast steps 10 and 
 - the load does not wait for the write: the state file's write is held until the test has
   loaded the state from the received bytes (an ordering, not a time);
 - the copy travels as its holder reads it: each piece sent right after the read that completed
-  it; a read that stops short still completes every piece announced, so the older step's copy
-  then travels whole over the same link;
+  it, read into one of a few pieces of memory reused (the holder keeps none of the copy); a
+  read that stops short still completes every piece announced, so the older step's copy then
+  travels whole over the same link;
 - one holder serving two replaced nodes at once (three processes, ``replicas=2``), a reading
   thread each: both copies arrive whole and sealed.
 """
@@ -91,39 +92,51 @@ def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str,
             data[len(data) // 2] ^= 0x01
             path.write_bytes(bytes(data))
         if case == "altered-on-the-way":  # after the holder hashed it: the receiver must see
-            ready = peers.Outgoing.ready
+            filled = peers.Outgoing.filled
 
-            def altering(self: Any, index: int, data: Any, done: int) -> None:
-                if index == 0 and done == len(data):  # the first file, read and hashed whole
-                    data[len(data) // 2] ^= 0x01
-                    peers.Outgoing.ready = ready  # type: ignore[method-assign]
-                ready(self, index, data, done)  # the older step's copy goes unaltered
+            def altering(self: Any, index: int) -> None:
+                if index == 0:  # the first file's first piece, read and hashed
+                    self._ring[self._sent % peers.RING][self.piece // 2] ^= 0x01
+                    peers.Outgoing.filled = filled  # type: ignore[method-assign]
+                filled(self, index)  # the older step's copy goes unaltered
 
-            peers.Outgoing.ready = altering  # type: ignore[method-assign]
+            peers.Outgoing.filled = altering  # type: ignore[method-assign]
     events: list[tuple[str, int, int]] = []
     if case in ("streamed", "stops-short"):  # pieces and reads of 1 MiB: 4 in a state file
         peers.PIECE = files._CHUNK = 1 << 20
     if rank == 1 and case == "streamed":  # the holder's reads and sends, in order
-        send, progress = peers.Outgoing._send, peers.Outgoing.ready
+        send, progress = peers.Outgoing._send, peers.Outgoing.filled
+        buffer = files.buffer
+        peers.RING = 2
+        done: dict[int, int] = {}
 
-        def sent(self: Any, data: Any) -> None:
+        def sent(self: Any, data: Any, waited_here: bool = True) -> Any:
             events.append(("sent", self.dst, len(data)))
-            send(self, data)
+            return send(self, data, waited_here)
 
-        def read(self: Any, index: int, data: Any, done: int) -> None:
-            events.append(("read", index, done))
-            progress(self, index, data, done)
+        def read(self: Any, index: int) -> None:
+            done[index] = done.get(index, 0) + self.piece
+            events.append(("read", index, done[index]))
+            progress(self, index)
+
+        def allocated(size: int) -> Any:
+            events.append(("buffer", size, 0))
+            return buffer(size)
 
         peers.Outgoing._send = sent  # type: ignore[method-assign]
-        peers.Outgoing.ready = read  # type: ignore[method-assign]
+        peers.Outgoing.filled = read  # type: ignore[method-assign]
+        files.buffer = allocated  # type: ignore[assignment]
     if rank == 1 and case == "stops-short":  # the state file's read fails after 1 MiB
         read_hashed = files._read_hashed
 
-        def failing(path: Path, size: int, keep: bool, progress: Any = None) -> Any:
+        def failing(
+            path: Path, size: int, keep: bool, progress: Any = None, through: Any = None
+        ) -> Any:
             if path.name != files.files_of(0)[0] or f"_{NEWEST}" not in str(path):
-                return read_hashed(path, size, keep, progress)
-            data = bytearray(size)
-            progress(data, 1 << 20)
+                return read_hashed(path, size, keep, progress, through)
+            window, filled = through  # the copy streams to rank 0: one piece goes
+            window()
+            filled()
             return f"{path} ended after {1 << 20} of {size} bytes (torn)"
 
         files._read_hashed = failing  # type: ignore[assignment]
@@ -149,6 +162,7 @@ def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str,
     dist.barrier()
     keep = not case.endswith("without-keep")
     found = recovery.recover(root, NodeMap(((0,), (1,))), rank, 1, None, group, keep=keep)
+    events.append(("recovered", 0, 0))
     seal_at_load = (files.step_dir(root, NEWEST) / files.seal_name(0)).exists()
     if found.held is not None:  # the load, from the bytes received and checked
         state = torch.load(io.BytesIO(bytes(found.held.named()[files.files_of(rank)[0]])))
@@ -215,6 +229,13 @@ def test_the_holder_sends_each_piece_as_soon_as_it_has_read_it(tmp_path: Path) -
     for before, after in itertools.pairwise(reads):
         between = events[events.index(before) + 1 : events.index(after)]
         assert ("sent", 0, 1 << 20) in between, events
+    # The holder keeps none of the copy it sends: its memory for it is 2 pieces (peers.RING,
+    # set to 2 here), reused, where the copy's state file alone is over 4.
+    own = sum(len(one["mine"][NEWEST][n]) for n in files.files_of(1))
+    recovering = events[: events.index(("recovered", 0, 0))]
+    buffers = [size for what, size, _ in recovering if what == "buffer"]
+    assert buffers.count(1 << 20) == 2, buffers
+    assert sum(buffers) == own + (2 << 20), (buffers, own)
 
 
 def test_a_read_that_stops_short_still_completes_every_piece_and_falls_back(

@@ -10,8 +10,9 @@ file, so the few kilobytes of seals and markers read besides are lost in the sla
   kept (``keep``) are the file's;
 - a damaged newest step (a flipped byte, a NaN) still falls back to the older step, naming the
   step and why; each step's copy is read once;
-- a replaced node: the holder reads its own copy and the copy it sends once each (the bytes it
-  checked are the bytes it sends), and the rank that fetched keeps what it received.
+- a replaced node (with and without the content check): the holder reads its own copy and the
+  copy it sends once each (the bytes it checked are the bytes it sends), and the rank that
+  fetched keeps what it received.
 
 Before one pass, the recovery read a copy once to hash it, again to check its values, and the
 holder again to send it: these counts were 2x and 3x.
@@ -122,7 +123,7 @@ def test_a_damaged_newest_step_falls_back_reading_each_copy_once(
     assert found.held is not None and found.held.named() == older
 
 
-def _replaced_node(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+def _replaced_node(rank: int, world_size: int, tmp: str, check_finite: bool) -> dict[str, Any]:
     """Rank 0's node was replaced (its directory empty); node 1 holds both ranks' files."""
     import torch.distributed as dist
 
@@ -135,7 +136,16 @@ def _replaced_node(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     before = _read_bytes()
-    found = recover(root, NodeMap(((0,), (1,))), rank, 1, None, dist.group.WORLD, keep=True)
+    found = recover(
+        root,
+        NodeMap(((0,), (1,))),
+        rank,
+        1,
+        None,
+        dist.group.WORLD,
+        keep=True,
+        check_finite=check_finite,
+    )
     read = _read_bytes() - before
     assert found.settle(dist.group.WORLD) is None  # the fetched copy written (after the load)
     dist.barrier()
@@ -149,8 +159,13 @@ def _replaced_node(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     }
 
 
-def test_a_copy_fetched_from_a_peer_is_read_once_by_its_holder(tmp_path: Path) -> None:
-    zero, one = run_distributed(_replaced_node, 2, str(tmp_path))
+@pytest.mark.parametrize("check_finite", [False, True], ids=["hash", "hash+finite"])
+def test_a_copy_fetched_from_a_peer_is_read_once_by_its_holder(
+    tmp_path: Path, check_finite: bool
+) -> None:
+    # Sent piece by piece through memory reused, or, to check its values, read whole and sent
+    # from there: once either way.
+    zero, one = run_distributed(_replaced_node, 2, str(tmp_path), check_finite)
     written = one["written"]
     assert zero["step"] == one["step"] == 10
     assert zero["sources"] == {0: 1, 1: 1}

@@ -274,9 +274,10 @@ def _read_hashed(
 ) -> tuple[bytearray | memoryview, str] | str:
     """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
     and hashed chunk by chunk while the chunk is fresh in the cache; or why not (a file
-    missing, or not of the ``size`` sealed). A file in memory (``/dev/shm``) is kept mapped,
-    not copied (:mod:`.media`), and hashed where it is. ``progress(data, done)`` after each
-    chunk (``keep`` only): the first ``done`` bytes of ``data`` are read and hashed.
+    missing, or not of the ``size`` sealed). Bytes kept are the file's, mapped, not copied
+    (:mod:`.media`), and hashed where they are: a file in memory (``/dev/shm``) mapped whole,
+    a file on a disk read into the page cache chunk by chunk. ``progress(data, done)`` after
+    each chunk (``keep`` only): the first ``done`` bytes of ``data`` are read and hashed.
     ``through``: each piece read into the memory it gives and handed on (not kept)."""
     try:
         with open(path, "rb") as f:
@@ -286,16 +287,21 @@ def _read_hashed(
             if through is not None:
                 return bytearray(), _stream_hashed(f, path, size, *through)
             hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
-            mapped = keep and size > 0 and media.in_memory(path)
+            mapped = keep and size > 0
+            in_memory = mapped and media.in_memory(path)  # its pages there: mapped at once
             data = (
-                media.map_file(f, size) if mapped else buffer(size if keep else min(size, _CHUNK))
+                media.map_file(f, size, whole=in_memory)
+                if mapped
+                else buffer(size if keep else min(size, _CHUNK))
             )
             view = memoryview(data)
             done = 0
             while done < size:
                 chunk = min(_CHUNK, size - done)
                 window = view[done : done + chunk] if keep else view[:chunk]
-                read = chunk if mapped else f.readinto(window)  # mapped: already there
+                if mapped and not in_memory:
+                    media.populate(view, done, chunk)  # the disk read into the page cache
+                read = chunk if mapped else f.readinto(window)
                 if not read:
                     return f"{path} ended after {done} of {size} bytes (torn)"
                 hasher.write(window[:read])

@@ -1,12 +1,13 @@
-"""Which medium a fast-tier file is on: a file system held in memory (``/dev/shm``'s tmpfs, a
-ramfs) or a disk.
+"""Which medium a fast-tier file is on (a file system held in memory: ``/dev/shm``'s tmpfs, a
+ramfs; or a disk), and a copy kept mapped rather than read into memory of its own.
 
-A copy on a disk is read into memory of its own, once. A copy already in memory is not: reading
-it would copy every byte into fresh memory, and a fresh allocation of hundreds of MiB right
-after a crash filled memory with the tier's files can stall on the kernel compacting memory
-for it (0.3 s measured for 127 MiB on a 2-CPU VM, against 0.03 s for the read itself). It is
-mapped instead (:func:`map_file`): its pages are the file's own, and nothing is copied until
-the load copies each tensor into the live state.
+Reading a copy would copy every byte into fresh memory: hundreds of MiB whose pages the kernel
+must find, zero and fault in, right after a crash filled memory with the tier's files (0.3 s
+measured for 127 MiB on a 2-CPU VM, against 0.03 s for the read itself), and on a disk a second
+copy of what the kernel has just read into its page cache. A copy is mapped instead
+(:func:`map_file`): its pages are the file's own (on a disk, the page cache's, read in chunk by
+chunk with the kernel's read-ahead: :func:`populate`), and nothing is copied until the load
+copies each tensor into the live state.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 from pathlib import Path
 from typing import IO
 
-__all__ = ["IN_MEMORY", "file_system", "in_memory", "map_file"]
+__all__ = ["IN_MEMORY", "file_system", "in_memory", "map_file", "populate"]
 
 IN_MEMORY = frozenset({"tmpfs", "ramfs"})
 """File systems whose files live in memory."""
@@ -56,19 +57,31 @@ def in_memory(path: str | Path) -> bool:
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 
-def map_file(f: IO[bytes], size: int) -> memoryview:
+def map_file(f: IO[bytes], size: int, *, whole: bool = True) -> memoryview:
     """The first ``size`` bytes of the open file ``f``, mapped: private (writes to the view,
-    e.g. a tensor made of it, never reach the file) and its pages mapped at once for reading
-    (``MADV_POPULATE_READ``, one call instead of a fault per page; not ``MAP_POPULATE``, which
-    on a private writable mapping copies every page as if written: 0.06 s against 0.014 s for
-    127 MiB). The fast tier replaces its files by rename, never in place, so the bytes mapped
-    stay the file's bytes checked."""
+    e.g. a tensor made of it, never reach the file) and, with ``whole``, its pages mapped at
+    once for reading (:func:`populate`; else the caller populates it part by part). The fast
+    tier replaces its files by rename, never in place, so the bytes mapped stay the file's
+    bytes checked."""
     area = mmap.mmap(
         f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
     )
-    if hasattr(area, "madvise"):
+    view = memoryview(area)
+    if whole:
+        populate(view, 0, size)
+    return view
+
+
+def populate(view: memoryview, start: int, length: int) -> None:
+    """Map ``length`` bytes of the mapping ``view`` (:func:`map_file`) from ``start`` (a
+    multiple of the page size) for reading, in one call (``MADV_POPULATE_READ``) instead of a
+    fault per page: from a disk, the kernel reads them into its page cache, which the mapping
+    shares. Not ``MAP_POPULATE``, which on a private writable mapping copies every page as if
+    written (0.06 s against 0.014 s for 127 MiB in memory). On an older kernel, each page is
+    mapped at its first read instead."""
+    area = view.obj
+    if length > 0 and isinstance(area, mmap.mmap) and hasattr(area, "madvise"):
         try:
-            area.madvise(_MADV_POPULATE_READ)
-        except OSError:  # an older kernel: each page is mapped at its first read instead
+            area.madvise(_MADV_POPULATE_READ, start, length)
+        except OSError:
             pass
-    return memoryview(area)

@@ -2,8 +2,9 @@
 and those same bytes are what is checked for NaNs, sent to a peer, and handed to the load.
 
 Counted with the kernel's own counter of the bytes a process reads (``rchar`` in
-``/proc/self/io``: every ``read``, by Python or by torch's C++ alike, page cache or not), around
-the recovery alone. A rank's files here are a state of :data:`SIZE` bytes and a small extra
+``/proc/self/io``: every ``read``, by Python or by torch's C++ alike, page cache or not), plus
+the bytes a mapped copy has the kernel read in (``media.populate``: a copy kept is mapped, not
+read), around the recovery alone. A rank's files here are a state of :data:`SIZE` bytes and a small extra
 file, so the few kilobytes of seals and markers read besides are lost in the slack.
 
 - one node, the rank's own copy (with and without the content check): read once, and the bytes
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_ckpt.fast import files
+from lightning_mcore_ckpt.fast import files, media
 from lightning_mcore_ckpt.fast.peers import NodeMap
 from lightning_mcore_ckpt.fast.recovery import recover
 from lightning_mcore_ckpt.format import integrity
@@ -40,11 +41,32 @@ SLACK = 1 << 20
 """Bytes read besides the copies (seals, markers, a directory listing)."""
 
 
+_MAPPED_IN = [0]
+"""Bytes this process's mappings of copies were asked to read in (``media.populate``)."""
+
+
+def _count_mapped_in() -> None:
+    """Count the bytes a mapped copy reads in (the kernel reads them into its page cache on
+    ``media.populate``'s behalf: no ``read``, so not in ``rchar``), once per process."""
+    populate = media.populate
+    if getattr(populate, "counted", False):
+        return
+
+    def counted(view: memoryview, start: int, length: int) -> None:
+        _MAPPED_IN[0] += max(0, min(length, len(view) - start))
+        populate(view, start, length)
+
+    counted.counted = True  # type: ignore[attr-defined]
+    media.populate = counted  # type: ignore[assignment]
+
+
 def _read_bytes() -> int:
-    """Bytes this process has passed to ``read`` so far (the kernel's ``rchar``)."""
+    """Bytes this process has read so far: passed to ``read`` (the kernel's ``rchar``) or read
+    in for a mapping of a copy."""
+    _count_mapped_in()
     for line in Path("/proc/self/io").read_text().splitlines():
         if line.startswith("rchar:"):
-            return int(line.split()[1])
+            return int(line.split()[1]) + _MAPPED_IN[0]
     raise AssertionError("/proc/self/io has no rchar")
 
 

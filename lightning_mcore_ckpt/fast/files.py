@@ -287,7 +287,7 @@ def _read_hashed(
             if through is not None:
                 return bytearray(), _stream_hashed(f, path, size, *through)
             hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
-            mapped = keep and size > 0
+            mapped = keep and size > 0 and media.CAN_MAP
             in_memory = mapped and media.in_memory(path)  # its pages there: mapped at once
             data = (
                 media.map_file(f, size, whole=in_memory)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import sys
 from pathlib import Path
 from typing import IO
 
-__all__ = ["IN_MEMORY", "file_system", "in_memory", "map_file", "populate"]
+__all__ = ["CAN_MAP", "IN_MEMORY", "file_system", "in_memory", "map_file", "populate"]
 
 IN_MEMORY = frozenset({"tmpfs", "ramfs"})
 """File systems whose files live in memory."""
@@ -54,7 +55,13 @@ def in_memory(path: str | Path) -> bool:
     return file_system(path) in IN_MEMORY
 
 
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+CAN_MAP = hasattr(mmap, "MAP_PRIVATE")
+"""Whether a file can be mapped privately here (POSIX): else a copy is read into memory."""
+
+# Linux >= 5.14 (22 where Python was built against older headers); no such advice elsewhere.
+_MADV_POPULATE_READ: int | None = getattr(
+    mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None
+)
 
 
 def map_file(f: IO[bytes], size: int, *, whole: bool = True) -> memoryview:
@@ -80,7 +87,7 @@ def populate(view: memoryview, start: int, length: int) -> None:
     written (0.06 s against 0.014 s for 127 MiB in memory). On an older kernel, each page is
     mapped at its first read instead."""
     area = view.obj
-    if length > 0 and isinstance(area, mmap.mmap) and hasattr(area, "madvise"):
+    if length > 0 and _MADV_POPULATE_READ is not None and isinstance(area, mmap.mmap):
         try:
             area.madvise(_MADV_POPULATE_READ, start, length)
         except OSError:

@@ -236,10 +236,12 @@ def _callbacks(cfg: dict[str, Any], marks: dict[str, Any], prepare: bool) -> lis
     class Clock(pl.Callback):  # type: ignore[misc]
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             marks["model set up"] = time.monotonic() - launched_at
+            marks["rss at set up"] = _reset_peak_rss()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             marks["state loaded"] = time.monotonic() - launched_at
             marks["resumed_step"] = trainer.global_step
+            marks["load peak extra MiB"] = _peak_extra_mib(marks.get("rss at set up"))
             if prepare:  # where a fast save's time on the training thread goes
                 fast: Any = checkpoint._fast
                 for name, owner, attr in (
@@ -281,6 +283,35 @@ def _callbacks(cfg: dict[str, Any], marks: dict[str, Any], prepare: bool) -> lis
 
     marks["rank started"] = time.monotonic() - launched_at
     return [Clock(), checkpoint]
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), or ``None``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """Restart this process's peak resident memory (``VmHWM``) from now (``/proc/self/
+    clear_refs``); its resident memory now, KiB, or ``None`` where the peak cannot be reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status_kib("VmRSS")
+
+
+def _peak_extra_mib(at_start_kib: int | None) -> float | None:
+    """The peak resident memory since :func:`_reset_peak_rss` above what it returned, MiB."""
+    peak = _status_kib("VmHWM")
+    if at_start_kib is None or peak is None:
+        return None
+    return max(0, peak - at_start_kib) / 1024
 
 
 def _timed_part(
@@ -668,6 +699,7 @@ def recover_once(
         throttled.clear()
     return {
         "phases": {p: max(r[p] for r in ranks) for p in PHASES},
+        "peak_extra_mib": [r.get("load peak extra MiB") for r in ranks],
         "resumed_step": ranks[0]["resumed_step"],
         "recovery": recoveries[-1] if recoveries else None,
         "throttled_read_bytes": through_throttle,
@@ -1458,6 +1490,37 @@ def _parts_table(rows: dict[str, dict[str, Any]], parts: Any) -> list[str]:
     ]
 
 
+def _per_rank_medians(launches: list[list[float | None] | None]) -> list[float | None]:
+    """Per rank, the median of the launches' figures (each launch's list in rank order;
+    ``None`` or short where it was not measured)."""
+    figures = [launch or [] for launch in launches]
+    return [_med([f[k] if k < len(f) else None for f in figures]) for k in range(NODES * PER_NODE)]
+
+
+def _memory_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Each rank's peak resident memory during the recovery and load, above its level once
+    the model was set up (medians of the launches); nothing where it was not measured."""
+    if not any(v is not None for row in rows.values() for v in row.get("peak_extra_mib", [])):
+        return []
+    ranks = range(NODES * PER_NODE)
+    return [
+        "Memory during the recovery and load (each rank's peak resident memory from the model "
+        "set up to the state loaded, above its level at the start, MiB: `VmHWM`, reset through "
+        f"`/proc/self/clear_refs`; medians of the launches; in the peer rows rank {NODES - 1}'s "
+        "node holds rank 0's copy and serves it):",
+        "",
+        "| resumed from | " + " | ".join(f"rank {k}" for k in ranks) + " |",
+        "| --- |" + " --- |" * len(ranks),
+        *(
+            f"| {name} | "
+            + " | ".join(_f(v, 0) for v in (row.get("peak_extra_mib") or [None] * len(ranks)))
+            + " |"
+            for name, row in rows.items()
+        ),
+        "",
+    ]
+
+
 def _f(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
@@ -1521,6 +1584,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
                 label: _med([g.get("parts", {}).get(label) for g in launches])
                 for label, _, _ in ALL_PARTS
             },
+            "peak_extra_mib": _per_rank_medians([g.get("peak_extra_mib") for g in launches]),
             "tier": sorted({str(r.get("tier")) for r in recs}),
             "ranks_from_peers": sorted({r.get("ranks_from_peers") for r in recs}, key=str),
             "resumed_step": sorted({g["resumed_step"] for g in launches}),
@@ -1733,6 +1797,7 @@ def report(result: dict[str, Any], summary: dict[str, Any], machine: str, comman
         "",
         *_parts_table(rows, LOAD_PARTS),
         "",
+        *_memory_table(rows),
         "#### The fast tier against each persistent stand-in",
         "",
         f"Target: the fast tier's recovery + load at most {RECOVERY_TARGET} x the persistent "

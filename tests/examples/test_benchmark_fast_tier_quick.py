@@ -54,6 +54,9 @@ def test_the_fast_tier_benchmarks_quick_mode_runs_every_row(tmp_path: Path, opti
     for row in (own, peer):
         assert rows[row]["resumed_step"] == [fast_tier.KILLED_AT] and rows[row]["tier"] == ["fast"]
     assert rows[persistent]["resumed_step"] == [fast_tier.PERSISTED]
+    # Each rank's peak memory during the load is measured (Linux's VmHWM, reset at set-up).
+    peaks = rows[peer]["peak_extra_mib"]
+    assert len(peaks) == 2 and all(p is not None and p > 0 for p in peaks), peaks
     bounds = data["summary"]["bounds"]
     assert bounds["read"]["gbps"] and bounds["link"]["gbps"]
     shm = bounds["rows"][fast_tier.SHM_ROW]

@@ -138,6 +138,19 @@ def test_the_tables_compare_each_row_with_the_persistent_tier_and_leave_first_sa
     assert "| 20 / 500 | 10 | 250 | 25x | 14.0 | 252.0 |" in table
 
 
+def test_each_ranks_peak_memory_during_the_load_is_its_median_over_the_launches() -> None:
+    result = _result()
+    assert "Memory during the recovery and load" not in fast_tier.report(
+        result, fast_tier.summarise(result), "machine", "command"
+    )  # not measured: no table
+    peer = result["launches"][fast_tier.ROWS[1]]
+    for launch, peaks in zip(peer, ([130.0, 70.0], [140.0, 60.0], [500.0, None]), strict=True):
+        launch["peak_extra_mib"] = peaks
+    table = fast_tier.report(result, fast_tier.summarise(result), "machine", "command")
+    assert "| fast tier, peer copies | 140 | 65 |" in table  # a launch not measured: left out
+    assert "| fast tier, own copies | — | — |" in table
+
+
 def test_a_state_too_large_for_the_machine_is_refused_naming_the_argument(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

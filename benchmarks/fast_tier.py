@@ -346,6 +346,11 @@ RECOVERY_PARTS = (
     ("read and check a copy (in memory)", "lightning_mcore_ckpt.fast.files", "read_checked"),
     ("read and check a copy (streamed)", "lightning_mcore_ckpt.fast.files", "verify"),
     (
+        "read, check and send a copy (streamed)",
+        "lightning_mcore_ckpt.fast.files",
+        "stream_checked",
+    ),
+    (
         "receive a fetched copy, hashed as it comes",
         "lightning_mcore_ckpt.fast.peers",
         "Incoming.take",

@@ -23,6 +23,7 @@ the files its rank may have (:func:`files_of`) before it becomes a path (:func:`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import mmap
@@ -285,7 +286,10 @@ def _read_hashed(
             if actual != size:
                 return f"{path} has {actual} bytes, its seal says {size} (torn)"
             if through is not None:
-                return bytearray(), _stream_hashed(f, path, size, *through)
+                streamed = _stream_hashed(f, size, *through)
+                if streamed.ended is not None:
+                    return f"{path} ended after {streamed.ended} of {size} bytes (torn)"
+                return bytearray(), streamed.digest
             hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
             mapped = keep and size > 0 and media.CAN_MAP
             in_memory = mapped and media.in_memory(path)  # its pages there: mapped at once
@@ -315,15 +319,22 @@ def _read_hashed(
     return (data if keep else bytearray()), hasher.digest
 
 
+@dataclasses.dataclass(frozen=True)
+class _Streamed:
+    """What :func:`_stream_hashed` found: the bytes' digest, or where the file ended."""
+
+    digest: str = ""
+    ended: int | None = None
+
+
 def _stream_hashed(
     f: IO[bytes],
-    path: Path,
     size: int,
     window: Callable[[], memoryview],
     filled: Callable[[], None],
-) -> str:
+) -> _Streamed:
     """The digest of ``f``'s ``size`` bytes, each piece read whole into ``window()``, hashed,
-    then handed on (``filled()``). Raises ``OSError`` for a file that ends early."""
+    then handed on (``filled()``); or, for a file that ends early, how many bytes it held."""
     hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
     done = 0
     while done < size:
@@ -332,12 +343,12 @@ def _stream_hashed(
         while got < len(piece):
             read = f.readinto(piece[got:])  # type: ignore[attr-defined]
             if not read:
-                raise OSError(f"{path} ended after {done + got} of {size} bytes (torn)")
+                return _Streamed(ended=done + got)
             got += read
         hasher.write(piece)
         filled()
         done += got
-    return hasher.digest
+    return _Streamed(digest=hasher.digest)
 
 
 def buffer(size: int) -> bytearray | memoryview:

@@ -125,12 +125,15 @@ def test_each_ranks_copies_are_on_distinct_other_nodes_and_sources_invert_peers(
 # --- a rank's seal and its files ------------------------------------------------------------
 
 
-def _write_rank(step: Path, rank: int, world: int = 4, seed: int = 0) -> dict[str, bytes]:
-    """Rank ``rank``'s two files in ``step`` and their seal, as the writer leaves them."""
+def _write_rank(
+    step: Path, rank: int, world: int = 4, seed: int = 0, base: int = 1000
+) -> dict[str, bytes]:
+    """Rank ``rank``'s two files in ``step`` (about ``base`` bytes each) and their seal, as the
+    writer leaves them."""
     contents: dict[str, bytes] = {}
     sealed: dict[str, tuple[int, str]] = {}
     for i, name in enumerate(files.files_of(rank)):
-        data = os.urandom(1000 + 37 * rank + 11 * i + seed)
+        data = os.urandom(base + 37 * rank + 11 * i + seed)
         (step / name).parent.mkdir(parents=True, exist_ok=True)
         (step / name).write_bytes(data)
         contents[name] = data
@@ -620,3 +623,73 @@ def test_a_copy_announced_out_of_bounds_is_refused_before_anything_is_received(
     header[: len(announced[:11])] = torch.tensor(announced[:11])
     with pytest.raises(ValueError, match="rank 3 announced a copy of"):
         Incoming(None, 3, header)
+
+
+class _Window:
+    """A :class:`~lightning_mcore_ckpt.fast.files.Stream` of pieces of ``piece`` bytes, each
+    file's own, reusing one buffer: what was handed on, per file."""
+
+    def __init__(self, sizes: list[int], piece: int) -> None:
+        self.pieces = [
+            [min(piece, size - start) for start in range(0, size, piece)] for size in sizes
+        ]
+        self.file = 0
+        self.memory = bytearray(piece)
+        self.handed: list[list[bytes]] = [[] for _ in sizes]
+
+    def window(self) -> memoryview:
+        while not self.pieces[self.file]:
+            self.file += 1
+        return memoryview(self.memory)[: self.pieces[self.file][0]]
+
+    def filled(self, index: int) -> None:
+        length = self.pieces[index].pop(0)
+        self.handed[index].append(bytes(self.memory[:length]))
+
+
+PIECE, CUT = 64 << 10, 100_000
+
+
+@pytest.mark.parametrize("cut", [None, "state", "extra"])
+def test_a_streamed_copy_is_handed_on_whole_or_named_torn_where_it_ended(
+    tmp_path: Path, cut: str | None
+) -> None:
+    # A copy streamed to a peer: each piece handed on as it is read; a file cut short while it
+    # is read is named, with the bytes it held, once (not the path twice).
+    step = files.step_dir(tmp_path, 40)
+    step.mkdir()
+    contents = _write_rank(step, 2, base=PIECE * 4)  # pieces read past Python's buffer
+    record = files.read_seal(step, 2)
+    assert record is not None
+    names = list(record["files"])  # in the order the seal lists them, which a copy goes in
+    sizes = [len(contents[name]) for name in names]
+    cut_name = None if cut is None else files.files_of(2)[("state", "extra").index(cut)]
+    target = None if cut_name is None else step / cut_name
+
+    def truncate() -> None:
+        if target is not None:
+            os.truncate(target, CUT)
+
+    stream = _Window(sizes, PIECE)
+    if cut_name is not None:
+        stream.filled = _cut_on_file(stream, names.index(cut_name), truncate)  # type: ignore[method-assign]
+    found = files.stream_checked(step, 2, (step / files.seal_name(2)).read_bytes(), stream)
+    if target is None:
+        assert found is None
+        assert [b"".join(h) for h in stream.handed] == [contents[name] for name in names]
+    else:
+        size = sizes[names.index(str(cut_name))]
+        assert found == f"{target} ended after {CUT} of {size} bytes (torn)"
+        assert found.count(str(target)) == 1
+
+
+def _cut_on_file(stream: _Window, index: int, cut: Any) -> Any:
+    """``stream.filled`` that calls ``cut`` once the first piece of file ``index`` has gone."""
+    filled = stream.filled
+
+    def first_then_cut(i: int) -> None:
+        filled(i)
+        if i == index and len(stream.handed[i]) == 1:
+            cut()
+
+    return first_then_cut

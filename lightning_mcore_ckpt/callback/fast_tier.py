@@ -207,7 +207,8 @@ class FastTierRun:
         its node's directory (collective with ``together``, see :meth:`Recovery.settle`).
 
         Training does not wait for them: the state was loaded from the bytes received, checked
-        against their seals (:meth:`take_held`), and until the first fast save the step's
+        against their seals (:meth:`take_held`), their write started as training did
+        (:meth:`log_recovery`, not beside the load), and until the first fast save the step's
         copies on the holders' nodes are where a failure would resume from (retention runs
         at a fast save only). So the first fast save settles them, before it writes anything
         (and :meth:`close`, for a run that ends before one). A write that failed is logged on
@@ -239,7 +240,10 @@ class FastTierRun:
             log.info("resuming persistent step %d: no fast step is newer", newest)
 
     def log_recovery(self) -> None:
-        """Log how the resume was served (rank 0, once training runs)."""
+        """Log how the resume was served (rank 0), and start writing the copies fetched from
+        peers into this node's directory: once training runs, its state loaded."""
+        if self._fetched is not None:
+            self._fetched.start_writes()
         found, self.recovery = self.recovery, None
         if found is not None:
             found.held = None  # not taken by the load: its memory goes now

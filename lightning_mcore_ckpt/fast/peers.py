@@ -136,6 +136,12 @@ class Bundle:
         return landing.written
 
 
+AFTER_LOAD = "lmc-fast-fetch-after-load"
+"""The name of the thread that writes a copy the state was loaded from (a deferred
+:class:`Landing`'s); a copy of a fast save received from a peer is written by
+``lmc-fast-fetch``."""
+
+
 class Landing:
     """A rank's copy of one step as it arrives from a peer (:func:`exchange`'s ``arrived``),
     checked on arrival and written into this node's directory in a thread of its own.
@@ -149,10 +155,16 @@ class Landing:
     whether the whole copy matched its seal; only then is the seal queued, last: the writer
     writes it only after every file was written, so a copy torn on the way or on the disk
     never counts. The durable write is off the receiver's path: :meth:`join` waits for it.
+
+    ``deferred``: the writer thread starts at :meth:`start` (or :meth:`join`), not with the
+    seal: a copy the state is loaded from is written once that load is done, so that the write
+    does not compete with it for the node's cores and memory. The files queued meanwhile are
+    the bytes received, which the load holds anyway.
     """
 
-    def __init__(self, step: Path, rank: int, count: int) -> None:
+    def __init__(self, step: Path, rank: int, count: int, deferred: bool = False) -> None:
         self.step, self.rank, self.count = step, rank, count
+        self.deferred = deferred
         self.seal: Data | None = None
         self.contents: list[Data] = []
         self.refused: ValueError | None = None
@@ -194,9 +206,11 @@ class Landing:
         self.seal = seal
         self._entries = [(name, entry, paths[name]) for name, entry in record["files"].items()]
         # A daemon thread: a process whose peers are gone is not kept alive by a write.
-        self._thread = threading.Thread(target=self._write, name="lmc-fast-fetch", daemon=True)
-        self._thread.start()
+        name = AFTER_LOAD if self.deferred else "lmc-fast-fetch"
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
         self._queue.put((step / files.seal_name(rank), None))  # the old seal goes first
+        if not self.deferred:
+            self.start()
 
     def _take_file(self, index: int, data: Data, digest: str | None) -> None:
         if self.seal is None or index >= len(self._entries):
@@ -230,9 +244,20 @@ class Landing:
         """Write nothing more, and no seal (the files already queued are still written)."""
         self._queue.put(None)
 
+    @property
+    def started(self) -> bool:
+        """Whether the writer thread has started."""
+        return self._thread is not None and self._thread.ident is not None
+
+    def start(self) -> None:
+        """Start writing what is queued (once the seal has arrived; once)."""
+        if self._thread is not None and not self.started:
+            self._thread.start()
+
     def join(self, timeout: float | None) -> None:
-        """Wait for the write (at most ``timeout`` seconds); raises its error (``OSError``),
-        or ``TimeoutError`` where it has not finished."""
+        """Wait for the write (started here if it was not: at most ``timeout`` seconds);
+        raises its error (``OSError``), or ``TimeoutError`` where it has not finished."""
+        self.start()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

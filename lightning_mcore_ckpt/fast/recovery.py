@@ -16,10 +16,12 @@ Collective (every rank, at the load), in this order:
    checked: not read again), checks each file against the seal as it arrives, and writes it
    into its node's directory in a thread of its own, the seal last (a replaced node is
    repopulated as it resumes). A copy that does not match its seal rules the step out on every
-   rank, as in 3. With ``keep``, the write goes on while the state is loaded from the received
-   bytes (and training starts): the caller joins it with :meth:`Recovery.settle` before the
-   fast tier relies on the node's copy (collective; the callback: at the first fast save);
-   without, it is joined here, and a failed write rules the step out;
+   rank, as in 3. With ``keep``, the state is loaded from the received bytes and the write
+   starts once that load is done (:meth:`Recovery.start_writes`; the callback: as training
+   starts), so that it does not compete with the load: the caller joins it with
+   :meth:`Recovery.settle` before the fast tier relies on the node's copy (collective; the
+   callback: at the first fast save); without, it is written and joined here, and a failed
+   write rules the step out;
 5. every node drops the fast steps newer than the one chosen (the future that was not kept).
 
 The outcome: the fast step to load, or the persistent tier (``None`` there when it has no
@@ -80,6 +82,13 @@ class Recovery:
     directory (only with ``recover(keep=True)``): joined by :meth:`settle`."""
     timeout_s: float = 600.0
     """The bound on :meth:`settle`'s wait for the write."""
+
+    def start_writes(self) -> None:
+        """Start writing the copies fetched from peers into this node's directory (with
+        ``recover(keep=True)``, once the state is loaded from their bytes; :meth:`settle`
+        starts any not started)."""
+        for _, landing in self.writing:
+            landing.start()
 
     def settle(self, group: Any, *, together: bool = True) -> str | None:
         """Wait for the copies fetched from peers to be written into their nodes' directories
@@ -177,7 +186,7 @@ def recover(
         problem = (
             checked
             if isinstance(checked, str)
-            else _fetch(root, step, checked, rank, group, held, writing, arriving)
+            else _fetch(root, step, checked, rank, group, held, writing, arriving, keep)
         )
         found = Recovery(step, None, {}, outcome.skipped, writing=writing, timeout_s=timeout_s)
         if problem is None and not keep and not isinstance(checked, str):
@@ -466,13 +475,15 @@ def _fetch(
     held: dict[int, Bundle],
     writing: list[tuple[int, Landing]],
     arriving: list[Incoming],
+    keep: bool,
 ) -> str | None:
     """Take each rank's copy where it comes from another node (collective): its holder sent
     it while checking it (:func:`_checked_sources`, ``arriving``); the owner checks each file
     against the seal as it arrives and queues it to be written into its node's directory
     (:class:`Landing`), and keeps the bytes in ``held``. The problem with a copy, the same on
     every rank, or ``None``. The writes go on: ``writing`` gets them (by source), to be joined
-    (:meth:`Recovery.settle`) when no copy was refused, else after their last queued file."""
+    (:meth:`Recovery.settle`) when no copy was refused, else after their last queued file;
+    with ``keep`` they start only when told (:meth:`Recovery.start_writes`) or joined."""
     directory = files.step_dir(root, step)
     source = sources.get(rank, rank)
     error = None
@@ -481,7 +492,7 @@ def _fetch(
 
     def arrived(index: int, count: int, data: Data) -> None:
         if index == 0:
-            landings.append(Landing(directory, rank, count))
+            landings.append(Landing(directory, rank, count, deferred=keep))
         assert incoming is not None
         landings[-1].arrived(index, data, incoming.digest(index))
 

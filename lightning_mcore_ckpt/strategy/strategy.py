@@ -801,8 +801,9 @@ class MegatronStrategy(ParallelStrategy):
                 held = getattr(source, "take_held", lambda: None)() or {}
                 checked = {checkpoint_path / name: data for name, data in held.items()}
                 # A copy fetched from a peer was checked against its seal as it arrived and is
-                # loaded from those bytes while a thread writes it into this node's directory:
-                # training does not wait for that write (the first fast save settles it).
+                # loaded from those bytes; a thread writes it into this node's directory once
+                # training starts: training does not wait for that write (the first fast save
+                # settles it).
                 try:
                     return self._load_rank_files(checkpoint_path, trusted=trusted, held=checked)
                 except BaseException:

@@ -1,6 +1,6 @@
 """A copy fetched from a peer node is taken as it arrives: each file checked against its seal on
-arrival, written into the node's directory by a thread of its own (fsynced, the seal last),
-while the state is loaded from the bytes received; the write is joined after the load
+arrival, written into the node's directory by a thread of its own (fsynced, the seal last)
+once the state is loaded from the bytes received; the write is joined after the load
 (:meth:`Recovery.settle`).
 
 Two gloo processes, two simulated nodes (a directory each): rank 0's node was replaced (its
@@ -14,8 +14,10 @@ directory is empty), rank 1's node holds both ranks' files of fast steps 10 and 
 - a write that fails on the receiving node (a file's path blocked) leaves no seal over the
   files it has not written, and is told on every rank (with ``keep``, by ``settle``; without,
   the step is ruled out as before);
-- the load does not wait for the write: the state file's write is held until the test has
-  loaded the state from the received bytes (an ordering, not a time);
+- the load does not wait for the write, nor shares the node with it: with ``keep`` the writer
+  starts only when told (:meth:`Recovery.start_writes`, after the test has loaded the state
+  from the received bytes), the state file's write held until that load (an ordering, not a
+  time);
 - the copy travels as its holder reads it: each piece sent right after the read that completed
   it, read into one of a few pieces of memory reused (the holder keeps none of the copy); a
   read that stops short still completes every piece announced, so the older step's copy then
@@ -164,11 +166,15 @@ def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str,
     found = recovery.recover(root, NodeMap(((0,), (1,))), rank, 1, None, group, keep=keep)
     events.append(("recovered", 0, 0))
     seal_at_load = (files.step_dir(root, NEWEST) / files.seal_name(0)).exists()
+    writing_at_load = [landing.started for _, landing in found.writing]
     if found.held is not None:  # the load, from the bytes received and checked
         state = torch.load(io.BytesIO(bytes(found.held.named()[files.files_of(rank)[0]])))
         out["loaded"] = float(state["w"][0])
         order.append("loaded")
         loaded.set()
+    if case == "ordering":  # as the callback does once training starts
+        found.start_writes()
+        order.append("writes started")
     out["settled"] = found.settle(group)
     dist.barrier()
     out.update(
@@ -176,6 +182,7 @@ def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str,
         sources=found.sources,
         skipped=found.skipped,
         seal_at_load=seal_at_load,
+        writing_at_load=writing_at_load,
         order=order,
         mine={s: _copy(root, s, rank) for s in (NEWEST, OLDER)},
         sent={s: _copy(root, s, 1 - rank) for s in (NEWEST, OLDER)},
@@ -278,17 +285,19 @@ def test_without_keep_a_write_that_fails_rules_the_step_out_as_before(tmp_path: 
 def test_the_state_is_loaded_before_the_fetched_copy_is_written(tmp_path: Path) -> None:
     zero, one = run_distributed(_replaced_node, 2, str(tmp_path), "ordering")
     assert zero["step"] == one["step"] == NEWEST
-    # The state file's write was held until the state was loaded from the bytes received: the
-    # recovery returned without waiting for it, and no seal was on the node at the load.
+    # With keep, the copy's write starts once the state is loaded from the bytes received (not
+    # beside that load): the recovery returned without waiting for it, its writer not started,
+    # no seal on the node at the load; every file written after, the seal last.
     assert zero["seal_at_load"] is False
-    # (The small extra file, first in the seal, is written whenever it comes.)
-    assert [e for e in zero["order"] if e != "wrote rank_00000.pt"] == [
+    assert zero["writing_at_load"] == [False]
+    assert zero["order"] == [
         "loaded",
+        "writes started",
+        f"wrote {files.files_of(0)[1].split('/')[-1]}",
         "load done",
         f"wrote {files.files_of(0)[0]}",
         f"wrote {files.seal_name(0)}",
     ], zero["order"]
-    assert zero["order"][-1] == f"wrote {files.seal_name(0)}"
     assert zero["settled"] is None and zero["verified"][NEWEST] is None
     assert zero["mine"][NEWEST] == one["sent"][NEWEST]
 

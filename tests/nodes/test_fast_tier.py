@@ -84,9 +84,7 @@ def _job(
             resumed["step"] = trainer.global_step
 
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            if not order.started.is_set():  # the recovery's writers: started before training
-                order.writers = {t.ident for t in threading.enumerate() if t.name == FETCH}
-                order.started.set()
+            order.started.set()  # before the checkpoint's hook: Lightning runs it last
             if kill and trainer.global_step == KILLED_AT:
                 checkpoint._fast.report(wait=True)  # fast step KILLED_AT is complete
                 Path(shared, f"losses_{rank}.json").write_text(json.dumps(losses))
@@ -115,32 +113,29 @@ def _job(
     }
 
 
-FETCH = "lmc-fast-fetch"
-"""The name of the thread that writes a copy received from a peer."""
-
-
 class _Order(list[str]):
     started: threading.Event
-    writers: set[int | None]
 
 
 def _hold_fetched_writes(resuming: bool) -> _Order:
-    """In a resumed job: each write of a copy fetched from a peer into this node's directory
-    (its writer thread's) is noted, its state file's held until training has started (bounded):
-    training does not wait for them."""
+    """In a resumed job: each write of a copy fetched from a peer at the recovery into this
+    node's directory (its writer thread's: ``peers.AFTER_LOAD``) is noted, the first with
+    whether training had started; its state file's write is held until training has started
+    (bounded): training does not wait for them."""
     from lightning_mcore_ckpt.fast import peers
 
     order = _Order()
-    order.started, order.writers = threading.Event(), set()
+    order.started = threading.Event()
     if not resuming:
         return order
     write = peers._atomic.write_bytes
 
     def held(path: Any, data: Any) -> None:
-        path, me = Path(path), threading.current_thread()
-        recovering = not order.started.is_set() or me.ident in order.writers
-        if me.name != FETCH or not recovering:  # not the recovery's (a fast save's copies)
+        path = Path(path)
+        if threading.current_thread().name != peers.AFTER_LOAD:  # a fast save's copies
             return write(path, data)
+        if not order:
+            order.append("training started" if order.started.is_set() else "before training")
         if path.name.startswith("state_"):
             order.append("training started" if order.started.wait(60) else "training waited")
         write(path, data)
@@ -303,8 +298,9 @@ def test_resumes_exactly_from_what_survives(
         assert f"fast step {KILLED_AT}: " in skipped and "altered" in skipped, skipped
     if scenario == "torn":  # passed over for the peer's copy, which repaired the node
         assert files.verify(_fast_step(root, 1), 2) is None
-    # A copy fetched from a peer is loaded from the bytes received while it is written into
-    # the node's directory: training started before its state file was written (held until
+    # A copy fetched from a peer is loaded from the bytes received, then written into the
+    # node's directory: nothing of it was written before training started (the write does not
+    # share the node with the load), training did not wait for its state file (held until
     # then), the seal was written last, and the copy is whole and sealed on the node after.
     fetched = {
         rank: got["fetched_writes"] for rank, got in enumerate(resumed) if got["fetched_writes"]
@@ -312,8 +308,8 @@ def test_resumes_exactly_from_what_survives(
     assert len(fetched) == from_peers, fetched
     for rank, order in fetched.items():
         state = f"wrote {files.files_of(rank)[0]}"
-        assert "training started" in order and state in order, (rank, order)
-        assert order.index("training started") < order.index(state), (rank, order)
+        assert order[0] == "training started" and state in order, (rank, order)
+        assert order[order.index(state) - 1] == "training started", (rank, order)
         assert order[-1] == f"wrote {files.seal_name(rank)}", (rank, order)
         assert files.verify(_fast_step(root, rank // PER_NODE), rank) is None
 

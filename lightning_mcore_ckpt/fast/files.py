@@ -23,7 +23,6 @@ the files its rank may have (:func:`files_of`) before it becomes a path (:func:`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import mmap
@@ -195,7 +194,7 @@ def present(step: Path, rank: int) -> bool:
 def verify(step: Path, rank: int) -> str | None:
     """What is wrong with rank ``rank``'s copy in ``step`` (``None``: whole and unchanged).
     Reads every byte once, keeping none (:func:`read_checked` keeps them)."""
-    found = _checked(step, rank, keep=False)
+    found = _checked(step, rank, None, lambda index, path, size: _read_hashed(path, size, False))
     return found if isinstance(found, str) else None
 
 
@@ -210,7 +209,12 @@ def read_checked(
     ``seal``: the seal's bytes, already read (else read here). ``progress(index, data, done)``
     is called as each chunk of file ``index`` is read and hashed: its first ``done`` bytes are
     in ``data`` (the file's whole buffer), e.g. to send them on while the rest is read."""
-    return _checked(step, rank, keep=True, seal=seal, progress=progress)
+
+    def read(index: int, path: Path, size: int) -> Hashed | str:
+        told = None if progress is None else functools.partial(progress, index)
+        return _read_hashed(path, size, True, told)
+
+    return _checked(step, rank, seal, read)
 
 
 def stream_checked(step: Path, rank: int, seal: bytes, stream: Stream) -> str | None:
@@ -219,18 +223,24 @@ def stream_checked(step: Path, rank: int, seal: bytes, stream: Stream) -> str | 
     says it), or ``None``: every byte matched the seal ``seal`` (the seal's bytes, already read
     and announced). Nothing is kept: memory for :data:`~lightning_mcore_ckpt.fast.peers.RING`
     pieces, not the copy's bytes."""
-    found = _checked(step, rank, keep=False, seal=seal, stream=stream)
+
+    def read(index: int, path: Path, size: int) -> Hashed | str:
+        return _stream_hashed(path, size, stream.window, functools.partial(stream.filled, index))
+
+    found = _checked(step, rank, seal, read)
     return found if isinstance(found, str) else None
 
 
+Hashed = tuple[bytearray | memoryview, str]
+"""A file's bytes (empty where they are not kept) and their digest."""
+
+
 def _checked(
-    step: Path,
-    rank: int,
-    keep: bool,
-    seal: bytes | None = None,
-    progress: Progress | None = None,
-    stream: Stream | None = None,
+    step: Path, rank: int, seal: bytes | None, read: Callable[[int, Path, int], Hashed | str]
 ) -> tuple[bytes, list[bytearray | memoryview]] | str:
+    """Rank ``rank``'s seal (``seal``: its bytes, already read; else read here) and its files'
+    bytes as ``read(index, path, size)`` gives them, each file's digest compared with the
+    seal's; or what is wrong."""
     if seal is None:
         try:
             seal = (step / seal_name(rank)).read_bytes()
@@ -247,11 +257,7 @@ def _checked(
         return str(err)
     contents = []
     for index, (name, entry) in enumerate(record["files"].items()):
-        told = None if progress is None else functools.partial(progress, index)
-        through = (
-            None if stream is None else (stream.window, functools.partial(stream.filled, index))
-        )
-        found = _read_hashed(paths[name], entry["size"], keep, told, through)
+        found = read(index, paths[name], entry["size"])
         if isinstance(found, str):
             return found
         data, digest = found
@@ -261,94 +267,82 @@ def _checked(
     return seal, contents
 
 
-Through = tuple[Callable[[], memoryview], Callable[[], None]]
-"""``(window, filled)``: where the next piece of a file is read, and its being read and hashed
-(a :class:`Stream` for one file)."""
-
-
-def _read_hashed(
-    path: Path,
-    size: int,
-    keep: bool,
-    progress: Callable[[Any, int], None] | None = None,
-    through: Through | None = None,
-) -> tuple[bytearray | memoryview, str] | str:
-    """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
-    and hashed chunk by chunk while the chunk is fresh in the cache; or why not (a file
-    missing, or not of the ``size`` sealed). Bytes kept are the file's, mapped, not copied
-    (:mod:`.media`), and hashed where they are: a file in memory (``/dev/shm``) mapped whole,
-    a file on a disk read into the page cache chunk by chunk. ``progress(data, done)`` after
-    each chunk (``keep`` only): the first ``done`` bytes of ``data`` are read and hashed.
-    ``through``: each piece read into the memory it gives and handed on (not kept)."""
+def _opened(path: Path, size: int, body: Callable[[IO[bytes]], Hashed | str]) -> Hashed | str:
+    """``body(f)`` on ``path`` opened for reading, once it holds the ``size`` bytes sealed; or
+    why not (a file missing, unreadable, or not of that size: torn)."""
     try:
         with open(path, "rb") as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 return f"{path} has {actual} bytes, its seal says {size} (torn)"
-            if through is not None:
-                streamed = _stream_hashed(f, size, *through)
-                if streamed.ended is not None:
-                    return f"{path} ended after {streamed.ended} of {size} bytes (torn)"
-                return bytearray(), streamed.digest
-            hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
-            mapped = keep and size > 0 and media.CAN_MAP
-            in_memory = mapped and media.in_memory(path)  # its pages there: mapped at once
-            data = (
-                media.map_file(f, size, whole=in_memory)
-                if mapped
-                else buffer(size if keep else min(size, _CHUNK))
-            )
-            view = memoryview(data)
-            done = 0
-            while done < size:
-                chunk = min(_CHUNK, size - done)
-                window = view[done : done + chunk] if keep else view[:chunk]
-                if mapped and not in_memory:
-                    media.populate(view, done, chunk)  # the disk read into the page cache
-                read = chunk if mapped else f.readinto(window)
-                if not read:
-                    return f"{path} ended after {done} of {size} bytes (torn)"
-                hasher.write(window[:read])
-                done += read
-                if progress is not None and keep:
-                    progress(data, done)
+            return body(f)
     except FileNotFoundError:
         return f"{path} is missing"
     except OSError as err:
         return f"{path} cannot be read: {err}"
-    return (data if keep else bytearray()), hasher.digest
 
 
-@dataclasses.dataclass(frozen=True)
-class _Streamed:
-    """What :func:`_stream_hashed` found: the bytes' digest, or where the file ended."""
+def _read_hashed(
+    path: Path, size: int, keep: bool, progress: Callable[[Any, int], None] | None = None
+) -> Hashed | str:
+    """``path``'s bytes (``keep``; else an empty buffer) and their digest, read once in chunks
+    and hashed chunk by chunk while the chunk is fresh in the cache; or why not. Bytes kept are
+    the file's, mapped, not copied (:mod:`.media`), and hashed where they are: a file in memory
+    (``/dev/shm``) mapped whole, a file on a disk read into the page cache chunk by chunk.
+    ``progress(data, done)`` after each chunk (``keep`` only): the first ``done`` bytes of
+    ``data`` are read and hashed."""
 
-    digest: str = ""
-    ended: int | None = None
+    def body(f: IO[bytes]) -> Hashed | str:
+        hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
+        mapped = keep and size > 0 and media.CAN_MAP
+        in_memory = mapped and media.in_memory(path)  # its pages there: mapped at once
+        data = (
+            media.map_file(f, size, whole=in_memory)
+            if mapped
+            else buffer(size if keep else min(size, _CHUNK))
+        )
+        view = memoryview(data)
+        done = 0
+        while done < size:
+            chunk = min(_CHUNK, size - done)
+            window = view[done : done + chunk] if keep else view[:chunk]
+            if mapped and not in_memory:
+                media.populate(view, done, chunk)  # the disk read into the page cache
+            read = chunk if mapped else f.readinto(window)  # type: ignore[attr-defined]
+            if not read:
+                return f"{path} ended after {done} of {size} bytes (torn)"
+            hasher.write(window[:read])
+            done += read
+            if progress is not None and keep:
+                progress(data, done)
+        return (data if keep else bytearray()), hasher.digest
+
+    return _opened(path, size, body)
 
 
 def _stream_hashed(
-    f: IO[bytes],
-    size: int,
-    window: Callable[[], memoryview],
-    filled: Callable[[], None],
-) -> _Streamed:
-    """The digest of ``f``'s ``size`` bytes, each piece read whole into ``window()``, hashed,
-    then handed on (``filled()``); or, for a file that ends early, how many bytes it held."""
-    hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
-    done = 0
-    while done < size:
-        piece = window()
-        got = 0
-        while got < len(piece):
-            read = f.readinto(piece[got:])  # type: ignore[attr-defined]
-            if not read:
-                return _Streamed(ended=done + got)
-            got += read
-        hasher.write(piece)
-        filled()
-        done += got
-    return _Streamed(digest=hasher.digest)
+    path: Path, size: int, window: Callable[[], memoryview], filled: Callable[[], None]
+) -> Hashed | str:
+    """The digest of ``path``'s ``size`` bytes (beside an empty buffer: none is kept), each
+    piece read whole into ``window()``, hashed, then handed on (``filled()``); or why not."""
+
+    def body(f: IO[bytes]) -> Hashed | str:
+        hasher = integrity.HashingWriter(cast(IO[bytes], _Discard()))
+        done = 0
+        while done < size:
+            piece = window()
+            got = 0
+            while got < len(piece):
+                read = f.readinto(piece[got:])  # type: ignore[attr-defined]
+                if not read:
+                    return f"{path} ended after {done + got} of {size} bytes (torn)"
+                got += read
+            hasher.write(piece)
+            filled()
+            done += got
+        return bytearray(), hasher.digest
+
+    return _opened(path, size, body)
 
 
 def buffer(size: int) -> bytearray | memoryview:

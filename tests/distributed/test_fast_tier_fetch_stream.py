@@ -129,19 +129,16 @@ def _replaced_node(rank: int, world_size: int, tmp: str, case: str) -> dict[str,
         peers.Outgoing.filled = read  # type: ignore[method-assign]
         files.buffer = allocated  # type: ignore[assignment]
     if rank == 1 and case == "stops-short":  # the state file's read fails after 1 MiB
-        read_hashed = files._read_hashed
+        stream_hashed = files._stream_hashed
 
-        def failing(
-            path: Path, size: int, keep: bool, progress: Any = None, through: Any = None
-        ) -> Any:
+        def failing(path: Path, size: int, window: Any, filled: Any) -> Any:
             if path.name != files.files_of(0)[0] or f"_{NEWEST}" not in str(path):
-                return read_hashed(path, size, keep, progress, through)
-            window, filled = through  # the copy streams to rank 0: one piece goes
-            window()
+                return stream_hashed(path, size, window, filled)
+            window()  # the copy streams to rank 0: one piece goes
             filled()
             return f"{path} ended after {1 << 20} of {size} bytes (torn)"
 
-        files._read_hashed = failing  # type: ignore[assignment]
+        files._stream_hashed = failing  # type: ignore[assignment]
     out: dict[str, Any] = {"events": events}
     if rank == 0 and case.startswith("write-blocked"):
         # ``extra`` is a file where the copy's ``extra/`` directory goes: the state file is
